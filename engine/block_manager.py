@@ -1,0 +1,140 @@
+"""BlockManager: the KV pool's free list, reference counts, prefix cache and every sequence's block table.
+
+Prefix caching: a full block is registered under a hash chain `h_j = hash((h_{j-1}, tokens_j))` whose first
+link is the sequence's adapter key, so KV computed under one adapter (or none) never serves another. A freed
+block keeps its hash and content until it is reused: the free queue is ordered oldest-freed first, and a
+prefix hit takes a block back out of it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_blocks: dict[int, int] = {}  # hash -> block_id
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -------------------------------------------------------------------------------
+    def _chain(self, seq: Sequence, upto_blocks: int) -> list[int]:
+        """Hashes of the seq's first `upto_blocks` full blocks (reusing those already registered)."""
+        hashes = seq.block_hashes[:upto_blocks]
+        parent = hashes[-1] if hashes else hash(("adapter", seq.adapter_key))
+        bs = self.block_size
+        for j in range(len(hashes), upto_blocks):
+            parent = hash((parent, tuple(seq.token_ids[j * bs : (j + 1) * bs])))
+            hashes.append(parent)
+        return hashes
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of the seq. At least one token is always left to
+        compute, so the step that admits the sequence still produces its logits."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        seq.block_hashes = self._chain(seq, (seq.num_tokens - 1) // self.block_size)
+        for h in seq.block_hashes:
+            block_id = self.cached_blocks.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Registers the blocks that become full once the seq has `num_tokens` computed tokens (those full
+        before its already-computed tokens were registered by an earlier step)."""
+        num_full = num_tokens // self.block_size
+        first = seq.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or num_full <= first:
+            return
+        seq.block_hashes = self._chain(seq, num_full)
+        for j in range(first, num_full):
+            block_id, h = seq.block_table[j], seq.block_hashes[j]
+            if self.block_hash[block_id] is None:
+                self.block_hash[block_id] = h
+                self.cached_blocks.setdefault(h, block_id)
+
+    # ---- allocation ---------------------------------------------------------------------------------
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        h = self.block_hash[block_id]
+        if h is not None:  # evict its cached content
+            if self.cached_blocks.get(h) == block_id:
+                del self.cached_blocks[h]
+            self.block_hash[block_id] = None
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def _touch(self, block_id: int) -> None:
+        if self.ref_counts[block_id] == 0:
+            del self.free_queue[block_id]
+        self.ref_counts[block_id] += 1
+
+    def can_allocate(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
+        num_cached_tokens = len(cached) * self.block_size
+        new_blocks = self.blocks_needed(num_cached_tokens + num_new_tokens) - len(cached)
+        revived = sum(1 for b in cached if self.ref_counts[b] == 0)  # cached but free: leave the free queue
+        return new_blocks + revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> None:
+        """Gives a sequence without blocks its cached prefix plus room for `num_new_tokens` more tokens."""
+        assert not seq.block_table, f"{seq} already has blocks"
+        for block_id in cached:
+            self._touch(block_id)
+        num_cached_tokens = len(cached) * self.block_size
+        new_blocks = self.blocks_needed(num_cached_tokens + num_new_tokens) - len(cached)
+        seq.block_table = cached + [self._take_free_block() for _ in range(new_blocks)]
+        seq.num_computed_tokens = num_cached_tokens
+        self._register_full_blocks(seq, num_cached_tokens + num_new_tokens)
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Room for `num_new_tokens` more tokens of a running sequence. Returns the (src, dst) block copies
+        that copy-on-write needs before the step runs, or None when the pool is too small right now."""
+        total = seq.num_computed_tokens + num_new_tokens
+        new_blocks = self.blocks_needed(total) - len(seq.block_table)
+        partial = seq.num_computed_tokens % self.block_size != 0
+        last = seq.block_table[seq.num_computed_tokens // self.block_size] if partial else None
+        cow = last is not None and self.ref_counts[last] > 1
+        if new_blocks + cow > self.num_free_blocks:
+            return None
+        copies = []
+        if cow:
+            dst = self._take_free_block()
+            self.ref_counts[last] -= 1
+            seq.block_table[seq.num_computed_tokens // self.block_size] = dst
+            copies.append((last, dst))
+        seq.block_table.extend(self._take_free_block() for _ in range(new_blocks))
+        self._register_full_blocks(seq, total)
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent; writes into a shared block copy it first."""
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        for block_id in child.block_table:
+            self.ref_counts[block_id] += 1
+
+    def free(self, seq: Sequence) -> None:
+        """Releases the seq's blocks, tail first, so a prefix's head stays cached longest."""
+        for block_id in reversed(seq.block_table):
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_queue[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0

@@ -1,0 +1,49 @@
+"""EngineConfig: every knob of the engine in one validated place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None: 1 GiB on CPU, a fraction of free on CUDA
+    gpu_memory_utilization: float = 0.85  # CUDA: fraction of free memory (after weights) for the KV pool
+    num_kv_blocks: int | None = None  # overrides the memory budget (tests use it)
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # "torch" | "triton" | "auto" (triton on CUDA)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not Path(self.model).is_dir():
+            raise FileNotFoundError(f"model directory not found: {self.model}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device '{self.device}' requested but CUDA is not available")
+        if self.dtype == "auto":
+            self.dtype = "float32" if self.device == "cpu" else "bfloat16"
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype '{self.dtype}'; choose one of {sorted(DTYPES)}")
+        if self.attention_backend == "auto":
+            self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

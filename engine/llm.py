@@ -1,0 +1,81 @@
+"""LLM: the offline API, `LLM(model=DIR).generate(prompts, SamplingParams(...))`, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}
+
+
+class LLM:
+    def __init__(self, model: str, **config: Any):
+        self.engine = LLMEngine(EngineConfig(model=model, **config))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def to_request(self, prompt: Prompt, params: SamplingParams) -> EngineRequest:
+        text = None
+        if isinstance(prompt, dict):
+            text = prompt.get("prompt")
+            prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else text
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+        return EngineRequest(str(next(self._ids)), token_ids, params, prompt=text)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion in one continuous batch; outputs come back in prompt order."""
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        requests = [self.to_request(p, sp) for p, sp in zip(prompts, params)]
+        for request in requests:  # validate all before queueing any
+            self.engine._validate(request)
+        for request in requests:
+            self.engine.add_request(request)
+        results = {r.request_id: self._empty_output(r) for r in requests}
+        with tqdm(total=len(requests), desc="generating", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished:
+                for delta in self.engine.step():
+                    _accumulate(results[delta.request_id], delta)
+                    bar.update(delta.finished)
+        return [results[r.request_id] for r in requests]
+
+    @staticmethod
+    def _empty_output(request: EngineRequest) -> RequestOutput:
+        outputs = [
+            CompletionOutput(i, "", [], [] if request.sampling.logprobs is not None else None)
+            for i in range(request.sampling.n)
+        ]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs)
+
+
+def _accumulate(result: RequestOutput, delta: RequestOutput) -> None:
+    for d in delta.outputs:
+        out = result.outputs[d.index]
+        out.text += d.text
+        out.token_ids.extend(d.token_ids)
+        if out.logprobs is not None and d.logprobs:
+            out.logprobs.extend(d.logprobs)
+        out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
+    result.finished = delta.finished
+    result.num_cached_tokens = delta.num_cached_tokens

@@ -1,0 +1,239 @@
+"""LLMEngine: the synchronous core. One `step()` = schedule → run the model → sample → append and check stops.
+
+Not thread-safe: the offline `LLM` drives it directly, the `AsyncEngine` from its one engine thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_loader import load_tokenizer
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.request import EngineRequest
+from engine.sampler import Sampler, SamplingRow
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceGroup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """What one step did, kept for tests and debugging (the engine's step trace)."""
+
+    step: int
+    scheduled: list[tuple[str, int]]  # (request_id, tokens computed)
+    sampled: list[str]  # request ids that got a token
+    finished: list[str]
+    num_preempted: int
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0
+    num_prompt_tokens_computed: int = 0  # prompt tokens run through the model (prefix hits excluded)
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model)
+        self.runner = ModelRunner(config)
+        arch = self.runner.arch
+        self.max_model_len = min(
+            config.max_model_len or arch.max_position_embeddings,
+            arch.max_position_embeddings,
+            arch.sliding_window or arch.max_position_embeddings,  # past the window our attention would differ
+            self.runner.num_blocks * config.block_size,  # one sequence must always fit the pool
+        )
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.eos_token_ids = self._eos_token_ids()
+        self.sampler = Sampler(self.eos_token_ids)
+        self.groups: dict[str, SequenceGroup] = {}
+        self.stats = EngineStats()
+        self.step_trace: deque[StepRecord] = deque(maxlen=10_000)
+        self._arrivals = 0
+        torch.manual_seed(config.seed)
+
+    def _eos_token_ids(self) -> set[int]:
+        """The tokenizer's eos plus any that generation_config.json lists (chat models often add one)."""
+        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        gen_config = Path(self.config.model) / "generation_config.json"
+        if gen_config.is_file():
+            eos = json.loads(gen_config.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return ids
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        """Validates and queues a request; raises ValueError naming what is wrong with it."""
+        self._validate(request)
+        group = SequenceGroup(request, self._arrivals)
+        self._arrivals += 1
+        seq = self._new_seq(group, 0, list(request.prompt_token_ids))
+        self.groups[request.request_id] = group
+        self.scheduler.add(seq)
+
+    def _validate(self, request: EngineRequest) -> None:
+        if request.request_id in self.groups:
+            raise ValueError(f"request id '{request.request_id}' is already in use")
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.runner.arch.vocab_size
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        max_tokens = request.sampling.max_tokens or 1
+        if num_prompt + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {num_prompt + max_tokens} "
+                f"were requested ({num_prompt} in the prompt, {max_tokens} to generate)"
+            )
+
+    def _new_seq(self, group: SequenceGroup, index: int, token_ids: list[int]) -> Sequence:
+        params = group.params
+        detok = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.skip_special_tokens, prompt_token_ids=group.prompt_token_ids
+        )
+        seq = Sequence(group, index, token_ids, detok)
+        group.seqs.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Ends a request at once and frees its blocks; returns its final (delta) output."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        outputs = []
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+                outputs.append(CompletionOutput(seq.index, "", [], [] if seq.logprobs is not None else None, "abort"))
+        return self._request_output(group, outputs)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the step -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one iteration; returns a delta for each request that produced tokens or finished."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        sampling_seqs = batch.sampling_seqs()
+        logits = self.runner.execute(batch)  # [S, V]
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.stats.num_prompt_tokens_computed += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+        rows, row_seqs = [], []
+        for i, seq in enumerate(sampling_seqs):
+            for s in [seq, *self._fork(seq)]:
+                rows.append(i)
+                row_seqs.append(s)
+        if len(rows) != len(sampling_seqs):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        sampled = self.sampler(logits, [self._sampling_row(s) for s in row_seqs])
+        deltas: dict[str, list[CompletionOutput]] = {}
+        finished: list[str] = []
+        for seq, token in zip(row_seqs, sampled):
+            deltas.setdefault(seq.request_id, []).append(self._append(seq, token))
+        outputs = []
+        for request_id, outs in deltas.items():
+            group = self.groups[request_id]
+            if group.is_finished:
+                finished.append(request_id)
+                del self.groups[request_id]
+            outputs.append(self._request_output(group, outs))
+        self._record(batch, deltas, finished)
+        return outputs
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        group = seq.group
+        if not group.needs_fork or seq.num_output_tokens:
+            return []
+        children = []
+        for index in range(1, group.params.n):
+            child = self._new_seq(group, index, list(seq.token_ids))
+            self.block_manager.fork(seq, child)
+            self.scheduler.add_running(child)
+            children.append(child)
+        return children
+
+    @staticmethod
+    def _sampling_row(seq: Sequence) -> SamplingRow:
+        return SamplingRow(seq.params, seq.group.prompt_token_ids, seq.output_token_ids, seq.generator)
+
+    def _append(self, seq: Sequence, token) -> CompletionOutput:
+        """Appends a sampled token, detokenizes it and applies the stop checks."""
+        params = seq.params
+        seq.token_ids.append(token.token_id)
+        self.stats.num_generated_tokens += 1
+        logprob = None
+        if seq.logprobs is not None:
+            logprob = TokenLogprob(token.token_id, token.logprob, token.top_logprobs)
+            seq.logprobs.append(logprob)
+        is_stop_token = token.token_id in params.stop_token_ids
+        is_eos = token.token_id in self.eos_token_ids and not params.ignore_eos
+        text = "" if (is_stop_token or is_eos) else seq.detokenizer.push([token.token_id])
+        if is_stop_token:
+            seq.finish_reason, seq.stop_reason = "stop", token.token_id
+        elif is_eos:
+            seq.finish_reason = "stop"
+        elif seq.detokenizer.stopped:
+            seq.finish_reason, seq.stop_reason = "stop", self._matched_stop(seq)
+        elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
+            seq.num_tokens >= self.max_model_len
+        ):
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            text += seq.detokenizer.flush()
+            self.scheduler.finish(seq)
+        return CompletionOutput(
+            seq.index, text, [token.token_id], [logprob] if logprob else None, seq.finish_reason, seq.stop_reason
+        )
+
+    @staticmethod
+    def _matched_stop(seq: Sequence) -> str | None:
+        return getattr(seq.detokenizer, "matched_stop", None)
+
+    def _request_output(self, group: SequenceGroup, outputs: list[CompletionOutput]) -> RequestOutput:
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=outputs,
+            finished=group.is_finished,
+            num_cached_tokens=group.num_cached_tokens or 0,
+            metrics={"time": time.monotonic()},
+        )
+
+    def _record(self, batch, deltas: dict[str, list[CompletionOutput]], finished: list[str]) -> None:
+        self.stats.num_steps += 1
+        self.stats.num_preemptions += batch.num_preempted
+        self.step_trace.append(
+            StepRecord(
+                step=self.stats.num_steps,
+                scheduled=[(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)],
+                sampled=list(deltas),
+                finished=finished,
+                num_preempted=batch.num_preempted,
+            )
+        )

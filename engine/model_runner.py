@@ -1,0 +1,110 @@
+"""ModelRunner: owns the model, the KV pool and every device tensor of a step.
+
+`execute(batch)` lays the scheduled tokens out flat (prefill tokens first, then one per decode), builds the
+attention metadata once, runs the forward pass and returns logits only for the rows that sample.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.model_loader import load_model
+from engine.models.arch import ModelArch
+from engine.scheduler import ScheduledBatch
+from kernels.paged_attention import PagedAttentionMeta
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        self.model = load_model(config.model, config.torch_dtype, config.device, config.attention_backend)
+        self.arch = self.model.arch
+        self.num_blocks = self._num_blocks()
+        # [2, layers, num_blocks, block_size, kv_heads, head_dim]: K and V of every layer in one allocation
+        self.kv_cache = torch.zeros(
+            2, self.arch.num_layers, self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim,
+            dtype=config.torch_dtype, device=self.device,
+        )
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            self.num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+        )
+
+    def _num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = kv_bytes_per_block(self.arch, self.block_size, self.config.torch_dtype)
+        budget = self.config.kv_cache_memory
+        if budget is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.gpu_memory_utilization)
+        budget = budget if budget is not None else DEFAULT_CPU_KV_BYTES
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes is below one block ({per_block} bytes)")
+        return num_blocks
+
+    def _prepare(self, batch: ScheduledBatch):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        sample_rows: list[int] = []
+        q_lens, context_lens, block_tables = [], [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids.extend(seq.token_ids[start:end])
+            pos = np.arange(start, end)
+            positions.append(pos)
+            slots.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)
+            q_lens.append(n)
+            context_lens.append(end)
+            block_tables.append(seq.block_table)
+            if end == seq.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+        p = batch.num_prefills
+        meta = PagedAttentionMeta.build(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
+            block_size=bs,
+            prefill_q_lens=q_lens[:p],
+            prefill_context_lens=context_lens[:p],
+            prefill_block_tables=block_tables[:p],
+            decode_context_lens=context_lens[p:],
+            decode_block_tables=block_tables[p:],
+            device=self.device,
+        )
+        input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
+        positions_t = torch.from_numpy(np.concatenate(positions)).to(self.device)  # [T]
+        sample_rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self.device)  # [S]
+        return input_ids_t, positions_t, meta, sample_rows_t
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Runs one step; returns logits [S, V] (fp32) for the seqs that sample, in batch order."""
+        self._copy_blocks(batch.block_copies)
+        input_ids, positions, meta, sample_rows = self._prepare(batch)
+        hidden = self.model(input_ids, positions, meta)  # [T, H]
+        return self.model.compute_logits(hidden[sample_rows])

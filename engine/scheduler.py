@@ -1,0 +1,135 @@
+"""Scheduler: decides, every step, which sequences run and how many tokens each computes.
+
+Iteration-level continuous batching under two budgets (`max_num_seqs`, `max_num_batched_tokens`):
+running sequences go first (decodes, then the next chunk of partly prefilled prompts), then waiting ones
+join in arrival order while blocks and budget last. When the pool runs dry the newest running sequence is
+preempted by recompute: its blocks are freed (their full blocks stay in the prefix cache) and it goes back
+to the head of the waiting queue. Sequences are always served oldest first, so none starves.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence]  # prefills (q_len > 1) first, then decodes (q_len == 1)
+    num_new_tokens: list[int]  # per seq, tokens computed this step
+    num_prefills: int
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def sampling_seqs(self) -> list[Sequence]:
+        """Seqs whose every token is computed after this step: they sample their next token."""
+        return [s for s, n in zip(self.seqs, self.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # ordered by arrival
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sample joins the running batch next to its parent."""
+        seq.status = SequenceStatus.RUNNING
+        self._insert_running(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _insert_running(self, seq: Sequence) -> None:
+        keys = [(s.group.arrival, s.index) for s in self.running]
+        self.running.insert(bisect.bisect(keys, (seq.group.arrival, seq.index)), seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        picked: dict[int, int] = {}  # seq_id -> num_new_tokens
+        copies: dict[int, list[tuple[int, int]]] = {}  # seq_id -> its copy-on-write block copies
+        preempted = 0
+        # decodes before chunked prefills, each group oldest first
+        order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.group.arrival))
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted below to make room for an older seq
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while (cp := self.block_manager.append_slots(seq, num_new)) is None:
+                victim = self.running.pop()
+                picked.pop(victim.seq_id, None)
+                copies.pop(victim.seq_id, None)
+                self._preempt(victim)
+                preempted += 1
+                if victim is seq:
+                    break
+            if cp is None:
+                continue
+            copies[seq.seq_id] = cp
+            picked[seq.seq_id] = num_new
+            budget -= num_new
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(seq)
+            num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            if not self.block_manager.can_allocate(seq, cached, num_new):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, cached, num_new)
+            if seq.group.num_cached_tokens is None:  # first admission: what the prefix cache saved
+                seq.group.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self._insert_running(seq)
+            picked[seq.seq_id] = num_new
+            budget -= num_new
+        return self._batch(picked, [c for cp in copies.values() for c in cp], preempted)
+
+    def _batch(self, picked: dict[int, int], copies: list[tuple[int, int]], preempted: int) -> ScheduledBatch:
+        seqs = [s for s in self.running if s.seq_id in picked]
+        prefills = [s for s in seqs if picked[s.seq_id] > 1]
+        decodes = [s for s in seqs if picked[s.seq_id] == 1]
+        ordered = prefills + decodes
+        return ScheduledBatch(
+            seqs=ordered,
+            num_new_tokens=[picked[s.seq_id] for s in ordered],
+            num_prefills=len(prefills),
+            block_copies=copies,
+            num_preempted=preempted,
+        )
+
+    def finish(self, seq: Sequence) -> None:
+        """Removes a finished (or aborted) sequence from wherever it is and frees its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq)

@@ -1,0 +1,108 @@
+"""Sequence (one sample being generated) and SequenceGroup (a request's n samples sharing one prompt)."""
+
+from __future__ import annotations
+
+import itertools
+from enum import Enum, auto
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import TokenLogprob
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """Token ids, progress and KV blocks of one sample. Only the BlockManager writes `block_table` and
+    `block_hashes`; only the scheduler writes `status`."""
+
+    def __init__(self, group: SequenceGroup, index: int, token_ids: list[int], detokenizer: IncrementalDetokenizer):
+        self.seq_id = next(_seq_counter)
+        self.group = group
+        self.index = index
+        self.token_ids = token_ids  # prompt + output
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hash chain of the full blocks registered in the prefix cache
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.detokenizer = detokenizer
+        self.logprobs: list[TokenLogprob] | None = [] if group.params.logprobs is not None else None
+        seed = group.params.seed
+        self.generator = None if seed is None else torch.Generator().manual_seed(hash((seed, index)) & (2**63 - 1))
+
+    @property
+    def request_id(self) -> str:
+        return self.group.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.group.params
+
+    @property
+    def adapter_key(self) -> str | None:
+        return self.group.adapter_key
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.group.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, request={self.request_id}#{self.index}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )
+
+
+class SequenceGroup:
+    """A request inside the engine: its prompt, sampling params and n sequences. It starts with one sequence;
+    when the prompt's prefill completes that sequence forks into n that share the prompt's KV blocks."""
+
+    def __init__(self, request: EngineRequest, arrival: int):
+        self.request_id = request.request_id
+        self.prompt = request.prompt
+        self.prompt_token_ids = list(request.prompt_token_ids)
+        self.params = request.sampling
+        self.adapter_key = request.adapter_key
+        self.tenant = request.tenant
+        self.arrival = arrival  # admission order: FCFS and preemption victims follow it
+        self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at first admission
+        self.seqs: list[Sequence] = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def needs_fork(self) -> bool:
+        return len(self.seqs) < self.params.n
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)

@@ -1,0 +1,60 @@
+"""The `loraplex` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from gateway.demo.model import build_demo_model
+
+    model = args.model or str(build_demo_model())
+    llm = LLM(model=model, dtype=args.dtype, device=args.device)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    prompts = args.prompt or ["Alice was beginning to", "It was the best of times,", "Call me"]
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=True)):
+        o = out.outputs[0]
+        print(f"{prompt!r} -> {o.text!r}  [{len(o.token_ids)} tokens, {o.finish_reason}]")
+
+
+def _bench_engine(args: argparse.Namespace) -> None:
+    from engine.benchmark import main as bench_main
+
+    bench_main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraplex", description="Multi-LoRA serving on one base model.")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="offline generation (the embedded demo model unless --model)")
+    gen.add_argument("--model", help="a Hugging Face model directory; default: the embedded demo model")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument("--device", default="auto")
+    gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    engine = bench_sub.add_parser("engine", help="offline engine throughput vs transformers (see --help)", add_help=False)
+    engine.add_argument("bench_args", nargs=argparse.REMAINDER)
+    engine.set_defaults(func=_bench_engine)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

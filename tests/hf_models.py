@@ -1,0 +1,55 @@
+"""Tiny random Hugging Face models (built with transformers, saved with save_pretrained) for the tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,  # wide logits: greedy choices are far from ties
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def make_model(
+    directory: Path, tokenizer: PreTrainedTokenizerFast, arch: str = "llama", seed: int = 0, **overrides
+) -> torch.nn.Module:
+    """Saves a random model of `arch` (and the tokenizer) into `directory`; returns the HF model (fp32, eval)."""
+    config_cls, model_cls = ARCHS[arch]
+    options = {**TINY, "vocab_size": len(tokenizer), **overrides}
+    if arch == "qwen3":
+        options.setdefault("head_dim", 16)
+    if arch == "mistral":
+        options.setdefault("sliding_window", None)
+    config = config_cls(**options)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model
