@@ -9,8 +9,10 @@ prefix hit takes a block back out of it.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
-from engine.sequence import Sequence
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
 
 
 class BlockManager:

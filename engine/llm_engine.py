@@ -192,27 +192,24 @@ class LLMEngine:
             seq.logprobs.append(logprob)
         is_stop_token = token.token_id in params.stop_token_ids
         is_eos = token.token_id in self.eos_token_ids and not params.ignore_eos
-        text = "" if (is_stop_token or is_eos) else seq.detokenizer.push([token.token_id])
+        detokenize = params.detokenize and not (is_stop_token or is_eos)
+        text = seq.detokenizer.push([token.token_id]) if detokenize else ""
         if is_stop_token:
             seq.finish_reason, seq.stop_reason = "stop", token.token_id
         elif is_eos:
             seq.finish_reason = "stop"
         elif seq.detokenizer.stopped:
-            seq.finish_reason, seq.stop_reason = "stop", self._matched_stop(seq)
+            seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stop_string
         elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
             seq.num_tokens >= self.max_model_len
         ):
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
-            text += seq.detokenizer.flush()
+            text += seq.detokenizer.flush() if params.detokenize else ""
             self.scheduler.finish(seq)
         return CompletionOutput(
             seq.index, text, [token.token_id], [logprob] if logprob else None, seq.finish_reason, seq.stop_reason
         )
-
-    @staticmethod
-    def _matched_stop(seq: Sequence) -> str | None:
-        return getattr(seq.detokenizer, "matched_stop", None)
 
     def _request_output(self, group: SequenceGroup, outputs: list[CompletionOutput]) -> RequestOutput:
         return RequestOutput(

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import itertools
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import TokenLogprob
-from engine.request import EngineRequest
-from engine.sampling_params import SamplingParams
+if TYPE_CHECKING:
+    from engine.detokenizer import IncrementalDetokenizer
+    from engine.outputs import TokenLogprob
+    from engine.request import EngineRequest
+    from engine.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
 
@@ -25,7 +27,7 @@ class Sequence:
     """Token ids, progress and KV blocks of one sample. Only the BlockManager writes `block_table` and
     `block_hashes`; only the scheduler writes `status`."""
 
-    def __init__(self, group: SequenceGroup, index: int, token_ids: list[int], detokenizer: IncrementalDetokenizer):
+    def __init__(self, group: SequenceGroup, index: int, token_ids: list[int], detokenizer: IncrementalDetokenizer | None):
         self.seq_id = next(_seq_counter)
         self.group = group
         self.index = index

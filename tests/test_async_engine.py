@@ -1,0 +1,96 @@
+"""AsyncEngine: deltas stream from the engine thread; abort frees blocks at once; the event loop stays free."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
+from tests.hf_models import make_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    directory = tmp_path_factory.mktemp("llama-async")
+    make_model(directory, tokenizer, "llama")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def async_engine(model_dir):
+    engine = AsyncEngine.from_config(EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=128))
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine: AsyncEngine, request: EngineRequest):
+    ids, text, last = [], "", None
+    async for delta in engine.generate(request):
+        ids += delta.outputs[0].token_ids if delta.outputs else []
+        text += delta.outputs[0].text if delta.outputs else ""
+        last = delta
+    return ids, text, last
+
+
+def test_streams_match_offline_and_run_concurrently(model_dir, async_engine):
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    batch = [[5, 6, 7], [8, 9, 10, 11, 12], [13] * 20]
+    offline = LLM(model=str(model_dir), device="cpu", num_kv_blocks=128).generate(batch, params)
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0)
+                ticks += 1
+
+        t = asyncio.create_task(ticker())
+        results = await asyncio.gather(
+            *(collect(async_engine, EngineRequest(f"s{i}", p, params)) for i, p in enumerate(batch))
+        )
+        t.cancel()
+        return results, ticks
+
+    results, ticks = asyncio.run(main())
+    assert ticks > 10  # the loop kept running while the model did
+    for (ids, text, last), off in zip(results, offline):
+        assert ids == off.outputs[0].token_ids and text == off.outputs[0].text
+        assert last.finished and last.outputs[0].finish_reason == "length"
+
+
+def test_abort_mid_stream_frees_blocks_at_once(async_engine):
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    engine = async_engine.engine
+
+    async def main():
+        stream = async_engine.generate(EngineRequest("to-abort", [5] * 40, params))
+        got = 0
+        async for _ in stream:
+            got += 1
+            if got == 3:
+                break
+        await stream.aclose()  # leaving early aborts
+        return await async_engine.run_on_engine(
+            lambda: (engine.block_manager.num_free_blocks, engine.block_manager.num_blocks, engine.has_unfinished)
+        )
+
+    free, total, unfinished = asyncio.run(main())
+    assert free == total and not unfinished
+
+
+def test_bad_request_fails_alone(async_engine):
+    async def main():
+        good = collect(async_engine, EngineRequest("good", [5, 6], SamplingParams(temperature=0, max_tokens=4)))
+        bad = collect(async_engine, EngineRequest("bad", [], SamplingParams()))
+        return await asyncio.gather(good, bad, return_exceptions=True)
+
+    good, bad = asyncio.run(main())
+    assert isinstance(bad, ValueError) and "empty" in str(bad)
+    assert len(good[0]) >= 1 and good[2].finished

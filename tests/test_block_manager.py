@@ -1,0 +1,96 @@
+"""BlockManager and Scheduler units: no model, no tokenizer."""
+
+from __future__ import annotations
+
+from engine.block_manager import BlockManager
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence, SequenceGroup
+
+_arrivals = iter(range(10**6))
+
+
+def make_seq(token_ids: list[int], adapter_key: str | None = None) -> Sequence:
+    group = SequenceGroup(EngineRequest(f"r{id(token_ids)}", token_ids, SamplingParams(), adapter_key), next(_arrivals))
+    seq = Sequence(group, 0, list(token_ids), detokenizer=None)
+    group.seqs.append(seq)
+    return seq
+
+
+def allocate_all(bm: BlockManager, seq: Sequence) -> int:
+    cached = bm.find_cached_prefix(seq)
+    num_new = seq.num_tokens - len(cached) * bm.block_size
+    assert bm.can_allocate(seq, cached, num_new)
+    bm.allocate(seq, cached, num_new)
+    seq.num_computed_tokens += num_new
+    return len(cached)
+
+
+def test_allocate_and_free_returns_every_block():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = make_seq(list(range(10)))
+    allocate_all(bm, seq)
+    assert len(seq.block_table) == 3 and bm.num_free_blocks == 5
+    bm.free(seq)
+    assert bm.num_free_blocks == 8 and all(rc == 0 for rc in bm.ref_counts)
+
+
+def test_prefix_hits_full_blocks_only_and_leaves_a_token_to_compute():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = make_seq(list(range(10)))
+    allocate_all(bm, a)
+    a_blocks = list(a.block_table)
+    bm.free(a)  # freed blocks keep their cached content
+    b = make_seq([*range(8), 99, 98, 97])
+    assert allocate_all(bm, b) == 2  # blocks [0..3] and [4..7]
+    assert b.block_table[:2] == a_blocks[:2] and b.num_computed_tokens == 11
+    assert b.block_table[2] != a_blocks[2]  # the partial block was never cached
+    exact = make_seq(list(range(8)))  # fully cached prompt: the last block is recomputed for its logits
+    assert len(bm.find_cached_prefix(exact)) == 1
+
+
+def test_adapter_key_separates_the_prefix_cache():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    allocate_all(bm, make_seq(list(range(12)), adapter_key=None))
+    assert bm.find_cached_prefix(make_seq(list(range(12)), adapter_key="sha256:a")) == []
+    assert len(bm.find_cached_prefix(make_seq(list(range(12)), adapter_key=None))) == 2
+
+
+def test_cached_free_blocks_are_evicted_oldest_first_when_space_is_needed():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = make_seq(list(range(8)))
+    allocate_all(bm, a)
+    bm.free(a)
+    big = make_seq(list(range(100, 116)))  # needs all 4 blocks: evicts a's cached blocks
+    allocate_all(bm, big)
+    assert bm.find_cached_prefix(make_seq(list(range(9)))) == []
+    bm.free(big)
+    assert bm.num_free_blocks == 4
+
+
+def test_fork_shares_blocks_and_copy_on_write_splits_the_last_one():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    parent = make_seq(list(range(10)))  # 2 full blocks + 2 tokens in the third
+    allocate_all(bm, parent)
+    child = make_seq(list(range(10)))
+    bm.fork(parent, child)
+    assert child.block_table == parent.block_table
+    assert [bm.ref_counts[b] for b in parent.block_table] == [2, 2, 2]
+    parent.token_ids.append(1)
+    copies = bm.append_slots(parent, 1)
+    assert len(copies) == 1 and copies[0][0] == child.block_table[2]
+    assert parent.block_table[:2] == child.block_table[:2] and parent.block_table[2] != child.block_table[2]
+    child.token_ids.append(2)
+    assert bm.append_slots(child, 1) == []  # now its own: written in place
+    bm.free(parent)
+    bm.free(child)
+    assert bm.num_free_blocks == 16
+
+
+def test_append_slots_refuses_when_the_pool_is_dry():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    seq = make_seq(list(range(8)))
+    allocate_all(bm, seq)
+    seq.token_ids.append(0)
+    assert bm.append_slots(seq, 1) is None
+    assert len(seq.block_table) == 2
