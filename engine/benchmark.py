@@ -23,8 +23,13 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 MODEL_56M = dict(
-    vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
 )
 
 
@@ -44,10 +49,7 @@ def build_model(directory: Path, seed: int = 0):
 
 def workload(name: str, num_prompts: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    if name == "fixed":
-        lengths = [128] * num_prompts
-    else:
-        lengths = torch.randint(16, 513, (num_prompts,), generator=g).tolist()
+    lengths = [128] * num_prompts if name == "fixed" else torch.randint(16, 513, (num_prompts,), generator=g).tolist()
     return [torch.randint(3, MODEL_56M["vocab_size"], (n,), generator=g).tolist() for n in lengths]
 
 
@@ -114,7 +116,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    results: dict = {"model": MODEL_56M, "threads": args.threads, "output_len": args.output_len, "workloads": {}}
+    results: dict = {
+        "model": MODEL_56M,
+        "threads": args.threads,
+        "output_len": args.output_len,
+        "workloads": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         hf_model = build_model(Path(tmp))
         llm = LLM(model=tmp, dtype="float32", device="cpu", max_num_seqs=args.num_prompts)

@@ -27,7 +27,7 @@ class LLM:
         text = None
         if isinstance(prompt, dict):
             text = prompt.get("prompt")
-            prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else text
+            prompt = prompt.get("prompt_token_ids", text)
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:

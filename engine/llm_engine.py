@@ -208,7 +208,12 @@ class LLMEngine:
             text += seq.detokenizer.flush() if params.detokenize else ""
             self.scheduler.finish(seq)
         return CompletionOutput(
-            seq.index, text, [token.token_id], [logprob] if logprob else None, seq.finish_reason, seq.stop_reason
+            seq.index,
+            text,
+            [token.token_id],
+            [logprob] if logprob else None,
+            seq.finish_reason,
+            seq.stop_reason,
         )
 
     def _request_output(self, group: SequenceGroup, outputs: list[CompletionOutput]) -> RequestOutput:

@@ -92,9 +92,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
         except SafetensorError as e:
             raise WeightLoadError(f"cannot read weight file {path} (truncated or corrupt?): {e}") from e
     num_shards = {"qkv_proj": 3, "gate_up_proj": 2}
-    missing = [
-        n for n in params if len(filled.get(n, ())) < num_shards.get(n.rsplit(".", 2)[-2], 1)
-    ]
+    missing = [n for n in params if len(filled.get(n, ())) < num_shards.get(n.rsplit(".", 2)[-2], 1)]
     if missing:
         more = " ..." if len(missing) > 5 else ""
         raise WeightLoadError(f"weights missing from {model_dir}: {', '.join(missing[:5])}{more}")
@@ -120,6 +118,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, attention
         load_weights(model, model_dir)
     logger.info(
         "loaded %s from %s: %.1fM parameters, %s on %s",
-        arch.architecture, model_dir, sum(p.numel() for p in model.parameters()) / 1e6, dtype, device,
+        arch.architecture,
+        model_dir,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        dtype,
+        device,
     )
     return model.eval()

@@ -36,14 +36,22 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         # [2, layers, num_blocks, block_size, kv_heads, head_dim]: K and V of every layer in one allocation
         self.kv_cache = torch.zeros(
-            2, self.arch.num_layers, self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim,
-            dtype=config.torch_dtype, device=self.device,
+            2,
+            self.arch.num_layers,
+            self.num_blocks,
+            self.block_size,
+            self.arch.num_kv_heads,
+            self.arch.head_dim,
+            dtype=config.torch_dtype,
+            device=self.device,
         )
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
-            self.num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+            self.num_blocks,
+            self.block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
         )
 
     def _num_blocks(self) -> int:

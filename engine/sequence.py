@@ -27,7 +27,13 @@ class Sequence:
     """Token ids, progress and KV blocks of one sample. Only the BlockManager writes `block_table` and
     `block_hashes`; only the scheduler writes `status`."""
 
-    def __init__(self, group: SequenceGroup, index: int, token_ids: list[int], detokenizer: IncrementalDetokenizer | None):
+    def __init__(
+        self,
+        group: SequenceGroup,
+        index: int,
+        token_ids: list[int],
+        detokenizer: IncrementalDetokenizer | None,
+    ):
         self.seq_id = next(_seq_counter)
         self.group = group
         self.index = index

@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    engine = bench_sub.add_parser("engine", help="offline engine throughput vs transformers (see --help)", add_help=False)
+    engine = bench_sub.add_parser(
+        "engine", help="offline engine throughput vs transformers (see --help)", add_help=False
+    )
     engine.add_argument("bench_args", nargs=argparse.REMAINDER)
     engine.set_defaults(func=_bench_engine)
     return parser

@@ -78,7 +78,11 @@ def test_abort_mid_stream_frees_blocks_at_once(async_engine):
                 break
         await stream.aclose()  # leaving early aborts
         return await async_engine.run_on_engine(
-            lambda: (engine.block_manager.num_free_blocks, engine.block_manager.num_blocks, engine.has_unfinished)
+            lambda: (
+                engine.block_manager.num_free_blocks,
+                engine.block_manager.num_blocks,
+                engine.has_unfinished,
+            )
         )
 
     free, total, unfinished = asyncio.run(main())

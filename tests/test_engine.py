@@ -82,8 +82,8 @@ def test_prefix_cache_hit_computes_fewer_tokens_and_same_output(model_dir):
     engine = llm.engine
     vocab = engine.runner.arch.vocab_size
     prefix = prompts(vocab, 16, seed=3)[13]  # 64 tokens
-    first = prefix + [5, 6, 7]
-    second = prefix + [9, 10, 11, 12]
+    first = [*prefix, 5, 6, 7]
+    second = [*prefix, 9, 10, 11, 12]
     llm.generate([first], GREEDY)
     before = engine.stats.num_prompt_tokens_computed
     [hit] = llm.generate([second], GREEDY)
@@ -99,11 +99,11 @@ def test_prefix_cache_never_hits_across_adapter_keys(model_dir):
     llm = make_llm(model_dir)
     engine = llm.engine
     prefix = prompts(engine.runner.arch.vocab_size, 16, seed=3)[13]
-    engine.add_request(EngineRequest("base", prefix + [5], GREEDY, adapter_key=None))
+    engine.add_request(EngineRequest("base", [*prefix, 5], GREEDY, adapter_key=None))
     while engine.has_unfinished:
         engine.step()
     before = engine.stats.num_prompt_tokens_computed
-    engine.add_request(EngineRequest("other", prefix + [5], GREEDY, adapter_key="sha256:other"))
+    engine.add_request(EngineRequest("other", [*prefix, 5], GREEDY, adapter_key="sha256:other"))
     outputs = []
     while engine.has_unfinished:
         outputs += engine.step()

@@ -32,9 +32,16 @@ def build_demo_model(directory: Path | None = None, seed: int = 0) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     tokenizer = save_tokenizer(tmp, vocab_size=512)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(tmp)

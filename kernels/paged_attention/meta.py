@@ -1,0 +1,155 @@
+"""PagedAttentionMeta: one step's attention metadata, built once by the model runner and read by every layer.
+
+A step's flat batch of T tokens holds the prefill tokens first (sequence after sequence; a prefill may be a
+chunk continuing a prompt already partly in the cache), then exactly one token per decode sequence, then
+optional padding tokens (slot -1). Besides what the Triton kernels read, `build` precomputes the gather
+indices and masks of the torch path, so that a layer builds no index and runs no Python loop.
+"""
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(slots=True)
+class PagedAttentionMeta:
+    slot_mapping: Tensor  # [T] int64: block_id * block_size + offset where token t's K/V go; -1 = don't store
+    block_size: int
+    num_prefill_tokens: int
+    prefill_cu_seqlens_q: Tensor  # [P+1] int32
+    prefill_context_lens: Tensor  # [P] int32: keys each prefill seq attends, its new tokens last
+    prefill_block_tables: Tensor  # [P, max_blocks] int32, padded with 0
+    max_prefill_q_len: int
+    max_prefill_context_len: int
+    decode_context_lens: Tensor  # [D] int32: keys incl. the new token
+    decode_block_tables: Tensor  # [D, max_blocks] int32, padded with 0
+    max_decode_context_len: int
+    # Torch path only: built here so that layers only gather.
+    store_token_idx: Tensor | None  # [S] int64 tokens whose slot >= 0; None when every token is stored
+    store_slots: Tensor  # [S] int64 their slots
+    prefill_q_gather: Tensor  # [P * max_q] int64 token of padded row (p, i); pad rows repeat a token of p
+    prefill_q_unpad: Tensor  # [num_prefill_tokens] int64 padded row p * max_q + i of each prefill token
+    prefill_kv_blocks: Tensor  # [P * nb] int64 block ids, nb = cdiv(max_prefill_context_len, block_size)
+    prefill_mask: Tensor | None  # [P, 1, max_q, nb * block_size] bool, True = attend; None = plain causal
+    decode_kv_blocks: Tensor  # [D * nb] int64 block ids, nb = cdiv(max_decode_context_len, block_size)
+    decode_mask: Tensor  # [D, 1, 1, nb * block_size] bool, True = attend
+
+    @property
+    def num_prefill_seqs(self) -> int:
+        return self.prefill_context_lens.shape[0]
+
+    @property
+    def num_decode_seqs(self) -> int:
+        return self.decode_context_lens.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        slot_mapping: Tensor,
+        block_size: int,
+        prefill_q_lens: list[int],
+        prefill_context_lens: list[int],
+        prefill_block_tables: list[list[int]],
+        decode_context_lens: list[int],
+        decode_block_tables: list[list[int]],
+        device: torch.device | str,
+    ) -> "PagedAttentionMeta":
+        _check_seqs(block_size, prefill_q_lens, prefill_context_lens, prefill_block_tables, with_q=True)
+        _check_seqs(block_size, [1] * len(decode_context_lens), decode_context_lens, decode_block_tables)
+        num_prefill_tokens = sum(prefill_q_lens)
+        if slot_mapping.shape[0] < num_prefill_tokens + len(decode_context_lens):
+            raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} tokens, fewer than the batch holds")
+        store_token_idx, store_slots = _store_indices(slot_mapping.to(torch.int64))
+        q_gather, q_unpad = _prefill_q_indices(prefill_q_lens)
+        max_p_ctx = max(prefill_context_lens, default=0)
+        max_d_ctx = max(decode_context_lens, default=0)
+        p_tables = _pad_tables(prefill_block_tables)  # [P, max_blocks]
+        d_tables = _pad_tables(decode_block_tables)  # [D, max_blocks]
+
+        def dev(x: list[int] | Tensor, dtype: torch.dtype = torch.int64) -> Tensor:
+            return torch.as_tensor(x).to(device=device, dtype=dtype, non_blocking=True)
+
+        p_ctx, d_ctx = dev(prefill_context_lens), dev(decode_context_lens)
+        prefill_mask = None
+        if prefill_q_lens != prefill_context_lens:  # some prefill continues cached tokens
+            max_q = max(prefill_q_lens)
+            prefill_mask = _prefill_mask(p_ctx, dev(prefill_q_lens), max_q, max_p_ctx, block_size)
+        return cls(
+            slot_mapping=dev(slot_mapping),
+            block_size=block_size,
+            num_prefill_tokens=num_prefill_tokens,
+            prefill_cu_seqlens_q=dev([0, *itertools.accumulate(prefill_q_lens)], torch.int32),
+            prefill_context_lens=dev(p_ctx, torch.int32),
+            prefill_block_tables=dev(p_tables, torch.int32),
+            max_prefill_q_len=max(prefill_q_lens, default=0),
+            max_prefill_context_len=max_p_ctx,
+            decode_context_lens=dev(d_ctx, torch.int32),
+            decode_block_tables=dev(d_tables, torch.int32),
+            max_decode_context_len=max_d_ctx,
+            store_token_idx=None if store_token_idx is None else dev(store_token_idx),
+            store_slots=dev(store_slots),
+            prefill_q_gather=dev(q_gather),
+            prefill_q_unpad=dev(q_unpad),
+            prefill_kv_blocks=dev(p_tables[:, : -(-max_p_ctx // block_size)].flatten()),
+            prefill_mask=prefill_mask,
+            decode_kv_blocks=dev(d_tables[:, : -(-max_d_ctx // block_size)].flatten()),
+            decode_mask=_key_mask(d_ctx, max_d_ctx, block_size)[:, None, None, :],
+        )
+
+
+def _store_indices(slot_mapping: Tensor) -> tuple[Tensor | None, Tensor]:
+    """(tokens with slot >= 0, their slots); None for the tokens when all are stored."""
+    stored = slot_mapping >= 0  # [T]
+    if bool(stored.all()):
+        return None, slot_mapping
+    token_idx = stored.nonzero().squeeze(1)  # [S]
+    return token_idx, slot_mapping[token_idx]
+
+
+def _prefill_q_indices(q_lens: list[int]) -> tuple[Tensor, Tensor]:
+    """Flat tokens <-> padded rows p * max_q + i: (gather [P * max_q], unpad [num_prefill_tokens]).
+    A pad row gathers its seq's last token, so it stays a valid, finite query."""
+    lens = torch.tensor(q_lens, dtype=torch.int64)  # [P]
+    max_q = max(q_lens, default=0)
+    starts = lens.cumsum(0) - lens  # [P]
+    gather = starts[:, None] + torch.minimum(torch.arange(max_q), lens[:, None] - 1)  # [P, max_q]
+    token_seq = torch.repeat_interleave(torch.arange(len(q_lens)), lens)  # [num_prefill_tokens]
+    unpad = token_seq * max_q + torch.arange(token_seq.shape[0]) - starts[token_seq]
+    return gather.flatten(), unpad
+
+
+def _check_seqs(
+    block_size: int, q_lens: list[int], context_lens: list[int], block_tables: list[list[int]], with_q=False
+) -> None:
+    if not len(q_lens) == len(context_lens) == len(block_tables):
+        raise ValueError("per-sequence lists differ in length")
+    for q_len, ctx, table in zip(q_lens, context_lens, block_tables, strict=True):
+        if with_q and not 1 <= q_len <= ctx:
+            raise ValueError(f"prefill needs 1 <= q_len <= context_len, got q_len={q_len}, context_len={ctx}")
+        if ctx < 1 or len(table) * block_size < ctx:
+            raise ValueError(f"context_len {ctx} does not fit {len(table)} blocks of {block_size}")
+
+
+def _pad_tables(tables: list[list[int]]) -> Tensor:
+    width = max((len(t) for t in tables), default=0)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(padded, dtype=torch.int64).view(len(tables), width)
+
+
+def _key_mask(context_lens: Tensor, max_context_len: int, block_size: int) -> Tensor:
+    """mask[s, j] = j < context_lens[s], over the keys gathered from whole blocks."""
+    num_keys = -(-max_context_len // block_size) * block_size
+    key_pos = torch.arange(num_keys, device=context_lens.device)  # [num_keys]
+    return key_pos[None, :] < context_lens[:, None]  # [S, num_keys]
+
+
+def _prefill_mask(context_lens: Tensor, q_lens: Tensor, max_q: int, max_context_len: int, block_size: int) -> Tensor:
+    """mask[p, 0, i, j] = j < ctx[p] and j <= ctx[p] - q_len[p] + i: causal, with the new tokens last.
+    Pad rows (i >= q_len[p]) see every key, so no row is fully masked."""
+    keys = _key_mask(context_lens, max_context_len, block_size)  # [P, num_keys]
+    q_pos = (context_lens - q_lens)[:, None] + torch.arange(max_q, device=context_lens.device)  # [P, max_q]
+    key_pos = torch.arange(keys.shape[1], device=context_lens.device)  # [num_keys]
+    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & keys[:, None, :]  # [P, max_q, num_keys]
+    return mask[:, None]
