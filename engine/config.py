@@ -20,7 +20,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85  # CUDA: fraction of free memory (after weights) for the KV pool
     num_kv_blocks: int | None = None  # overrides the memory budget (tests use it)
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "torch" | "triton" | "auto" (triton on CUDA)
@@ -43,6 +43,11 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                f"({self.max_num_seqs}): every running sequence must fit one step"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

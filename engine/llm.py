@@ -49,7 +49,7 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         requests = [self.to_request(p, sp) for p, sp in zip(prompts, params)]
         for request in requests:  # validate all before queueing any
-            self.engine._validate(request)
+            self.engine.validate(request)
         for request in requests:
             self.engine.add_request(request)
         results = {r.request_id: self._empty_output(r) for r in requests}

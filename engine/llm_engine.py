@@ -81,14 +81,15 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
         """Validates and queues a request; raises ValueError naming what is wrong with it."""
-        self._validate(request)
+        self.validate(request)
         group = SequenceGroup(request, self._arrivals)
         self._arrivals += 1
         seq = self._new_seq(group, 0, list(request.prompt_token_ids))
         self.groups[request.request_id] = group
         self.scheduler.add(seq)
 
-    def _validate(self, request: EngineRequest) -> None:
+    def validate(self, request: EngineRequest) -> None:
+        """Raises ValueError naming what is wrong with the request; changes nothing."""
         if request.request_id in self.groups:
             raise ValueError(f"request id '{request.request_id}' is already in use")
         num_prompt = len(request.prompt_token_ids)

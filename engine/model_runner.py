@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
+from engine.cpu_malloc import keep_freed_memory
 from engine.model_loader import load_model
 from engine.models.arch import ModelArch
 from engine.scheduler import ScheduledBatch
@@ -30,6 +31,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.block_size = config.block_size
         self.model = load_model(config.model, config.torch_dtype, config.device, config.attention_backend)
         self.arch = self.model.arch

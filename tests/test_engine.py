@@ -191,3 +191,26 @@ def test_detokenize_false_gives_ids_only_and_still_finishes(llm):
     assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].text == ""
     assert out.outputs[0].finish_reason == "length"
     assert_no_leaks(llm)
+
+
+def test_abort_mid_decode_frees_everything_and_others_finish(llm):
+    engine = llm.engine
+    batch = prompts(engine.runner.arch.vocab_size, 8)
+    for i, p in enumerate(batch):
+        engine.add_request(EngineRequest(f"a{i}", p, GREEDY))
+    for _ in range(4):
+        engine.step()
+    for i in range(0, 8, 2):
+        final = engine.abort(f"a{i}")
+        assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert engine.abort("a0") is None  # already gone
+    done = []
+    while engine.has_unfinished:
+        done += [o.request_id for o in engine.step() if o.finished]
+    assert sorted(done) == [f"a{i}" for i in range(1, 8, 2)]
+    assert_no_leaks(llm)
+
+
+def test_budget_smaller_than_max_num_seqs_is_refused(model_dir):
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make_llm(model_dir, max_num_seqs=64, max_num_batched_tokens=32)

@@ -88,3 +88,17 @@ def test_batched_greedy_generation_matches_transformers(model_pair):
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
         assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist(), f"prompt of {len(prompt)} tokens"
         assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_cuda_triton_attention_matches_transformers(arch, tmp_path, tokenizer):
+    hf = make_model(tmp_path, tokenizer, arch)
+    hf.generation_config.eos_token_id = None
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", attention_backend="triton", num_kv_blocks=256)
+    batch = prompts(hf.config.vocab_size)
+    ours = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(batch, ours):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()

@@ -18,6 +18,7 @@ SCENARIOS = {
     "prefill_only": ([(0, 20), (3, 1), (9, 6)], []),
     "decode_only": ([], [5, 1, 40]),
     "causal_prefill": ([(0, 5), (0, 19)], [4, 16]),
+    "uniform_prefill": ([(0, 12), (0, 12), (0, 12)], [4, 16]),
     "long": ([(0, 130), (100, 70)], [300, 77]),
 }
 GQA = [(4, 4), (4, 2), (8, 2)]  # (Hq, Hkv): ratios 1, 2, 4
@@ -140,8 +141,9 @@ def test_meta_for_empty_parts():
     assert meta.prefill_cu_seqlens_q.tolist() == [0, 20, 21, 27]
     assert meta.prefill_cu_seqlens_q.dtype == meta.prefill_context_lens.dtype == torch.int32
     assert meta.max_prefill_q_len == 20 and meta.max_prefill_context_len == 20
-    assert meta.prefill_mask is not None
-    assert make_batch("causal_prefill", 4, 2, 4).meta.prefill_mask is None
+    assert meta.prefill_seqs is not None and [s.mask is None for s in meta.prefill_seqs] == [True, False, False]
+    assert make_batch("causal_prefill", 4, 2, 4).meta.prefill_seqs is not None  # lengths differ
+    assert make_batch("uniform_prefill", 4, 2, 4).meta.prefill_seqs is None  # one padded batch, exact
 
 
 def test_meta_rejects_inconsistent_seqs():

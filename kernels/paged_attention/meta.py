@@ -14,6 +14,17 @@ from torch import Tensor
 
 
 @dataclass(slots=True)
+class PrefillSeq:
+    """One prefill sequence for the torch path's per-sequence attention (host-side ints, device tensors)."""
+
+    token_start: int  # its first token in the flat batch
+    q_len: int
+    context_len: int
+    kv_blocks: Tensor  # [cdiv(context_len, block_size)] int64 block ids
+    mask: Tensor | None  # [q_len, context_len] bool causal with the new tokens last; None: plain causal
+
+
+@dataclass(slots=True)
 class PagedAttentionMeta:
     slot_mapping: Tensor  # [T] int64: block_id * block_size + offset where token t's K/V go; -1 = don't store
     block_size: int
@@ -29,10 +40,10 @@ class PagedAttentionMeta:
     # Torch path only: built here so that layers only gather.
     store_token_idx: Tensor | None  # [S] int64 tokens whose slot >= 0; None when every token is stored
     store_slots: Tensor  # [S] int64 their slots
-    prefill_q_gather: Tensor  # [P * max_q] int64 token of padded row (p, i); pad rows repeat a token of p
-    prefill_q_unpad: Tensor  # [num_prefill_tokens] int64 padded row p * max_q + i of each prefill token
     prefill_kv_blocks: Tensor  # [P * nb] int64 block ids, nb = cdiv(max_prefill_context_len, block_size)
-    prefill_mask: Tensor | None  # [P, 1, max_q, nb * block_size] bool, True = attend; None = plain causal
+    # Per-sequence prefill (torch path) when padding would waste work: lengths differ or a prefix is
+    # cached. None: every prefill has the same length and no cached prefix, so one padded batch is exact.
+    prefill_seqs: list[PrefillSeq] | None
     decode_kv_blocks: Tensor  # [D * nb] int64 block ids, nb = cdiv(max_decode_context_len, block_size)
     decode_mask: Tensor  # [D, 1, 1, nb * block_size] bool, True = attend
 
@@ -62,7 +73,6 @@ class PagedAttentionMeta:
         if slot_mapping.shape[0] < num_prefill_tokens + len(decode_context_lens):
             raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} tokens, fewer than the batch holds")
         store_token_idx, store_slots = _store_indices(slot_mapping.to(torch.int64))
-        q_gather, q_unpad = _prefill_q_indices(prefill_q_lens)
         max_p_ctx = max(prefill_context_lens, default=0)
         max_d_ctx = max(decode_context_lens, default=0)
         p_tables = _pad_tables(prefill_block_tables)  # [P, max_blocks]
@@ -72,10 +82,9 @@ class PagedAttentionMeta:
             return torch.as_tensor(x).to(device=device, dtype=dtype, non_blocking=True)
 
         p_ctx, d_ctx = dev(prefill_context_lens), dev(decode_context_lens)
-        prefill_mask = None
-        if prefill_q_lens != prefill_context_lens:  # some prefill continues cached tokens
-            max_q = max(prefill_q_lens)
-            prefill_mask = _prefill_mask(p_ctx, dev(prefill_q_lens), max_q, max_p_ctx, block_size)
+        prefill_seqs = None
+        if len(set(prefill_q_lens)) > 1 or prefill_q_lens != prefill_context_lens:
+            prefill_seqs = _prefill_seqs(prefill_q_lens, prefill_context_lens, p_tables, block_size, dev)
         return cls(
             slot_mapping=dev(slot_mapping),
             block_size=block_size,
@@ -90,10 +99,8 @@ class PagedAttentionMeta:
             max_decode_context_len=max_d_ctx,
             store_token_idx=None if store_token_idx is None else dev(store_token_idx),
             store_slots=dev(store_slots),
-            prefill_q_gather=dev(q_gather),
-            prefill_q_unpad=dev(q_unpad),
             prefill_kv_blocks=dev(p_tables[:, : -(-max_p_ctx // block_size)].flatten()),
-            prefill_mask=prefill_mask,
+            prefill_seqs=prefill_seqs,
             decode_kv_blocks=dev(d_tables[:, : -(-max_d_ctx // block_size)].flatten()),
             decode_mask=_key_mask(d_ctx, max_d_ctx, block_size)[:, None, None, :],
         )
@@ -108,16 +115,16 @@ def _store_indices(slot_mapping: Tensor) -> tuple[Tensor | None, Tensor]:
     return token_idx, slot_mapping[token_idx]
 
 
-def _prefill_q_indices(q_lens: list[int]) -> tuple[Tensor, Tensor]:
-    """Flat tokens <-> padded rows p * max_q + i: (gather [P * max_q], unpad [num_prefill_tokens]).
-    A pad row gathers its seq's last token, so it stays a valid, finite query."""
-    lens = torch.tensor(q_lens, dtype=torch.int64)  # [P]
-    max_q = max(q_lens, default=0)
-    starts = lens.cumsum(0) - lens  # [P]
-    gather = starts[:, None] + torch.minimum(torch.arange(max_q), lens[:, None] - 1)  # [P, max_q]
-    token_seq = torch.repeat_interleave(torch.arange(len(q_lens)), lens)  # [num_prefill_tokens]
-    unpad = token_seq * max_q + torch.arange(token_seq.shape[0]) - starts[token_seq]
-    return gather.flatten(), unpad
+def _prefill_seqs(q_lens: list[int], context_lens: list[int], tables: Tensor, block_size: int, dev) -> list[PrefillSeq]:
+    seqs, start = [], 0
+    for i, (q_len, ctx) in enumerate(zip(q_lens, context_lens)):
+        mask = None
+        if q_len != ctx:  # query i sits at position ctx - q_len + i
+            mask = torch.ones(q_len, ctx, dtype=torch.bool).tril(ctx - q_len)
+        blocks = tables[i, : -(-ctx // block_size)]
+        seqs.append(PrefillSeq(start, q_len, ctx, dev(blocks), None if mask is None else dev(mask, torch.bool)))
+        start += q_len
+    return seqs
 
 
 def _check_seqs(
@@ -143,13 +150,3 @@ def _key_mask(context_lens: Tensor, max_context_len: int, block_size: int) -> Te
     num_keys = -(-max_context_len // block_size) * block_size
     key_pos = torch.arange(num_keys, device=context_lens.device)  # [num_keys]
     return key_pos[None, :] < context_lens[:, None]  # [S, num_keys]
-
-
-def _prefill_mask(context_lens: Tensor, q_lens: Tensor, max_q: int, max_context_len: int, block_size: int) -> Tensor:
-    """mask[p, 0, i, j] = j < ctx[p] and j <= ctx[p] - q_len[p] + i: causal, with the new tokens last.
-    Pad rows (i >= q_len[p]) see every key, so no row is fully masked."""
-    keys = _key_mask(context_lens, max_context_len, block_size)  # [P, num_keys]
-    q_pos = (context_lens - q_lens)[:, None] + torch.arange(max_q, device=context_lens.device)  # [P, max_q]
-    key_pos = torch.arange(keys.shape[1], device=context_lens.device)  # [num_keys]
-    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & keys[:, None, :]  # [P, max_q, num_keys]
-    return mask[:, None]

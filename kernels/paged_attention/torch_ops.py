@@ -1,7 +1,8 @@
 """Paged attention in torch: the reference for the Triton kernels and the fast path on CPU.
 
-Per layer only gathers and two scaled_dot_product_attention calls (prefill padded to [P, Hq, max_q, D],
-decode as [D, Hkv, G, D] with the G query heads of a kv head as rows); every index comes from the meta.
+Per layer only gathers and scaled_dot_product_attention: prefill as one [P, Hq, q_len, D] batch when every
+prefill has the same length and no cached prefix, else one exact-length call per prefill sequence; decode as
+one [D, Hq, 1, D] batch against the shared kv heads (GQA). Every index comes from the meta.
 Whole blocks are gathered and the unused slots masked, and a masked NaN still poisons the softmax: cache
 slots never written must hold finite values (allocate caches with torch.zeros, not torch.empty).
 """
@@ -43,22 +44,43 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionM
 
 def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMeta, scale: float) -> Tensor:
     """Attention of the prefill tokens q[:num_prefill_tokens]; returns [num_prefill_tokens, Hq, D]."""
-    num_seqs, max_q = meta.num_prefill_seqs, meta.max_prefill_q_len
+    if meta.prefill_seqs is not None:
+        return _prefill_per_seq(q, k_cache, v_cache, meta, scale)
+    num_seqs, max_q = meta.num_prefill_seqs, meta.max_prefill_q_len  # equal lengths, nothing cached
     num_heads, head_dim = q.shape[1:]
-    padded_q = q.index_select(0, meta.prefill_q_gather).view(num_seqs, max_q, num_heads, head_dim)
+    padded_q = q[: meta.num_prefill_tokens].reshape(num_seqs, max_q, num_heads, head_dim)
     k = _gather_kv(k_cache, meta.prefill_kv_blocks, num_seqs)  # [P, Hkv, L, D]
     v = _gather_kv(v_cache, meta.prefill_kv_blocks, num_seqs)
     out = F.scaled_dot_product_attention(
         padded_q.transpose(1, 2),  # [P, Hq, max_q, D]
         k,
         v,
-        attn_mask=meta.prefill_mask,
-        is_causal=meta.prefill_mask is None,
+        is_causal=True,  # keys past each seq's end are only seen by no query
         scale=scale,
         enable_gqa=num_heads != k.shape[1],
     )  # [P, Hq, max_q, D]
-    out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
-    return out.index_select(0, meta.prefill_q_unpad)
+    return out.transpose(1, 2).reshape(meta.num_prefill_tokens, num_heads, head_dim)
+
+
+def _prefill_per_seq(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMeta, scale: float) -> Tensor:
+    """One exact-length attention per prefill seq: no padding, and the causal kernel skips masked tiles.
+    A loop over sequences (not tokens or blocks): padding mixed lengths to one batch costs far more."""
+    num_heads, head_dim = q.shape[1:]
+    out = torch.empty(meta.num_prefill_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    for seq in meta.prefill_seqs:
+        rows = slice(seq.token_start, seq.token_start + seq.q_len)
+        k = _gather_kv(k_cache, seq.kv_blocks, 1)[:, :, : seq.context_len]  # [1, Hkv, ctx, D]
+        v = _gather_kv(v_cache, seq.kv_blocks, 1)[:, :, : seq.context_len]
+        out[rows] = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1).unsqueeze(0),  # [1, Hq, q_len, D]
+            k,
+            v,
+            attn_mask=seq.mask,
+            is_causal=seq.mask is None,
+            scale=scale,
+            enable_gqa=num_heads != k.shape[1],
+        )[0].transpose(0, 1)
+    return out
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMeta, scale: float) -> Tensor:
@@ -66,10 +88,15 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAtt
     num_seqs, num_heads, head_dim = q.shape
     k = _gather_kv(k_cache, meta.decode_kv_blocks, num_seqs)  # [D, Hkv, L, D]
     v = _gather_kv(v_cache, meta.decode_kv_blocks, num_seqs)
-    num_kv_heads = k.shape[1]
-    grouped_q = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [D, Hkv, G, D]
-    out = F.scaled_dot_product_attention(grouped_q, k, v, attn_mask=meta.decode_mask, scale=scale)
-    return out.reshape(num_seqs, num_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [D, Hq, 1, D]
+        k,
+        v,
+        attn_mask=meta.decode_mask,
+        scale=scale,
+        enable_gqa=num_heads != k.shape[1],
+    )  # [D, Hq, 1, D]
+    return out.view(num_seqs, num_heads, head_dim)
 
 
 def _gather_kv(cache: Tensor, blocks: Tensor, num_seqs: int) -> Tensor:
