@@ -36,7 +36,7 @@ def test_token_budget_chunks_long_prompts_and_respects_max_num_seqs():
     run_step(scheduler)  # the budget goes to the running prompt first
     assert [s.num_computed_tokens for s in seqs[:2]] == [32, 0]
     batch = run_step(scheduler)  # its last 8 tokens, then the next prompt joins
-    assert batch.num_new_tokens == [8, 5] and batch.sampling_seqs() == seqs[:2]
+    assert batch.num_new_tokens == [8, 5] and [s.num_output_tokens for s in seqs] == [1, 1, 0]
     assert len(scheduler.running) == 2 and seqs[2] in scheduler.waiting  # max_num_seqs = 2
 
 
