@@ -13,6 +13,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cpu_malloc import keep_freed_memory
+from engine.layers.packed_linear import can_pack, pack_linears
 from engine.model_loader import load_model
 from engine.models.arch import ModelArch
 from engine.scheduler import ScheduledBatch
@@ -36,6 +37,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = load_model(config.model, config.torch_dtype, config.device, config.attention_backend)
         self.arch = self.model.arch
+        if can_pack(self.device, config.torch_dtype):
+            logger.info("packed %d linear layers for oneDNN", pack_linears(self.model))
         self.num_blocks = self._num_blocks()
         # [2, layers, num_blocks, block_size, kv_heads, head_dim]: K and V of every layer in one allocation
         self.kv_cache = torch.zeros(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.llm import LLM
 from engine.request import EngineRequest
@@ -21,7 +22,7 @@ def model_dir(tmp_path_factory, tokenizer):
 
 
 def make_llm(model_dir, **options) -> LLM:
-    return LLM(model=str(model_dir), dtype="float32", device="cpu", **{"num_kv_blocks": 256, **options})
+    return LLM(model=str(model_dir), device="cpu", **{"dtype": "float32", "num_kv_blocks": 256, **options})
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +215,36 @@ def test_abort_mid_decode_frees_everything_and_others_finish(llm):
 def test_budget_smaller_than_max_num_seqs_is_refused(model_dir):
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         make_llm(model_dir, max_num_seqs=64, max_num_batched_tokens=32)
+
+
+def test_logprobs_come_with_each_token(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3)
+    [out] = llm.generate([[5, 6, 7, 8]], params)
+    logprobs = out.outputs[0].logprobs
+    assert len(logprobs) == 5
+    for token_id, lp in zip(out.outputs[0].token_ids, logprobs):
+        assert lp.token_id == token_id and len(lp.top_logprobs) == 3
+        assert max(lp.top_logprobs, key=lp.top_logprobs.get) == token_id  # greedy picks the top one
+        assert lp.logprob == pytest.approx(lp.top_logprobs[token_id]) and lp.logprob <= 0
+
+
+def test_kv_pool_is_sized_from_the_memory_budget(model_dir):
+    small = make_llm(model_dir, num_kv_blocks=None, kv_cache_memory=1 << 20)
+    arch, bs = small.engine.runner.arch, small.engine.config.block_size
+    per_block = 2 * arch.num_layers * bs * arch.num_kv_heads * arch.head_dim * 4  # fp32 K and V
+    assert small.engine.block_manager.num_blocks == (1 << 20) // per_block
+    assert small.engine.max_model_len == min(512, small.engine.block_manager.num_blocks * bs)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_close_to_fp32(model_dir, llm, dtype):
+    from tests.test_oracle import our_prompt_logits
+
+    half = make_llm(model_dir, dtype=dtype)
+    prompt = prompts(llm.engine.runner.arch.vocab_size)[-1]
+    expected = our_prompt_logits(llm, prompt)
+    got = our_prompt_logits(half, prompt)
+    assert got.dtype == torch.float32 and half.engine.runner.kv_cache.dtype == getattr(torch, dtype)
+    assert (got - expected).abs().max() < 0.1 * expected.abs().max()
+    [out] = half.generate([prompt], GREEDY)
+    assert len(out.outputs[0].token_ids) == 24

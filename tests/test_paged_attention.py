@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels.paged_attention import PagedAttentionMeta, get_paged_attention, paged_attention
+from kernels.paged_attention import meta as meta_module
 
 torch_ops = get_paged_attention("torch")
 
@@ -115,6 +116,18 @@ def test_torch_ops_match_naive_reference(scenario, num_heads, num_kv_heads, bloc
     out = paged_attention(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.scale)
     torch.testing.assert_close(b.k_cache, b.expected_k_cache, rtol=0, atol=0)
     torch.testing.assert_close(b.v_cache, b.expected_v_cache, rtol=0, atol=0)
+    torch.testing.assert_close(out, b.expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scenario", ["mixed", "decode_only", "long"])
+def test_decode_split_into_length_groups_matches_naive_reference(scenario, monkeypatch):
+    monkeypatch.setattr(meta_module, "DECODE_GROUP_KEYS", 48)  # force several groups of sorted lengths
+    b = make_batch(scenario, 8, 2, 4)
+    groups = b.meta.decode_groups
+    assert len(groups) > 1 and sorted(torch.cat([g.rows for g in groups]).tolist()) == list(
+        range(b.meta.num_decode_seqs)
+    )
+    out = paged_attention(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.scale)
     torch.testing.assert_close(out, b.expected, rtol=1e-5, atol=1e-5)
 
 

@@ -25,6 +25,19 @@ class PrefillSeq:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decode seqs of similar context length, attended as one padded batch by the torch path."""
+
+    rows: Tensor  # [G] int64 their rows among the decode tokens
+    kv_blocks: Tensor  # [G * nb] int64 block ids, nb = cdiv(longest context of the group, block_size)
+    mask: Tensor  # [G, 1, 1, nb * block_size] bool, True = attend
+
+
+# Padded keys per decode group: bounds the gathered K/V copy (and its padding waste) whatever the batch.
+DECODE_GROUP_KEYS = 8192
+
+
+@dataclass(slots=True)
 class PagedAttentionMeta:
     slot_mapping: Tensor  # [T] int64: block_id * block_size + offset where token t's K/V go; -1 = don't store
     block_size: int
@@ -44,8 +57,7 @@ class PagedAttentionMeta:
     # Per-sequence prefill (torch path) when padding would waste work: lengths differ or a prefix is
     # cached. None: every prefill has the same length and no cached prefix, so one padded batch is exact.
     prefill_seqs: list[PrefillSeq] | None
-    decode_kv_blocks: Tensor  # [D * nb] int64 block ids, nb = cdiv(max_decode_context_len, block_size)
-    decode_mask: Tensor  # [D, 1, 1, nb * block_size] bool, True = attend
+    decode_groups: list[DecodeGroup]  # decode seqs sorted by context length, split under DECODE_GROUP_KEYS
 
     @property
     def num_prefill_seqs(self) -> int:
@@ -101,8 +113,7 @@ class PagedAttentionMeta:
             store_slots=dev(store_slots),
             prefill_kv_blocks=dev(p_tables[:, : -(-max_p_ctx // block_size)].flatten()),
             prefill_seqs=prefill_seqs,
-            decode_kv_blocks=dev(d_tables[:, : -(-max_d_ctx // block_size)].flatten()),
-            decode_mask=_key_mask(d_ctx, max_d_ctx, block_size)[:, None, None, :],
+            decode_groups=_decode_groups(decode_context_lens, d_tables, block_size, dev),
         )
 
 
@@ -143,6 +154,33 @@ def _pad_tables(tables: list[list[int]]) -> Tensor:
     width = max((len(t) for t in tables), default=0)
     padded = [t + [0] * (width - len(t)) for t in tables]
     return torch.tensor(padded, dtype=torch.int64).view(len(tables), width)
+
+
+def _decode_groups(context_lens: list[int], tables: Tensor, block_size: int, dev) -> list[DecodeGroup]:
+    order = sorted(range(len(context_lens)), key=context_lens.__getitem__)
+    groups, start = [], 0
+    while start < len(order):
+        end = start + 1  # grow while the group's padded keys stay under budget (sorted: the last is longest)
+        while end < len(order) and (end + 1 - start) * _padded(context_lens[order[end]], block_size) <= (
+            DECODE_GROUP_KEYS
+        ):
+            end += 1
+        rows = order[start:end]
+        num_blocks = -(-context_lens[rows[-1]] // block_size)
+        lens = torch.tensor([context_lens[r] for r in rows])
+        groups.append(
+            DecodeGroup(
+                rows=dev(rows),
+                kv_blocks=dev(tables[rows, :num_blocks].flatten()),
+                mask=dev(_key_mask(lens, int(lens[-1]), block_size)[:, None, None, :], torch.bool),
+            )
+        )
+        start = end
+    return groups
+
+
+def _padded(context_len: int, block_size: int) -> int:
+    return -(-context_len // block_size) * block_size
 
 
 def _key_mask(context_lens: Tensor, max_context_len: int, block_size: int) -> Tensor:

@@ -2,7 +2,7 @@
 
 Per layer only gathers and scaled_dot_product_attention: prefill as one [P, Hq, q_len, D] batch when every
 prefill has the same length and no cached prefix, else one exact-length call per prefill sequence; decode as
-one [D, Hq, 1, D] batch against the shared kv heads (GQA). Every index comes from the meta.
+[G, Hq, 1, D] batches of similar-length seqs against the shared kv heads (GQA). Every index comes from the meta.
 Whole blocks are gathered and the unused slots masked, and a masked NaN still poisons the softmax: cache
 slots never written must hold finite values (allocate caches with torch.zeros, not torch.empty).
 """
@@ -84,19 +84,24 @@ def _prefill_per_seq(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAtt
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMeta, scale: float) -> Tensor:
-    """Attention of one new token per decode seq; q: [D, Hq, D] · returns [D, Hq, D]."""
-    num_seqs, num_heads, head_dim = q.shape
-    k = _gather_kv(k_cache, meta.decode_kv_blocks, num_seqs)  # [D, Hkv, L, D]
-    v = _gather_kv(v_cache, meta.decode_kv_blocks, num_seqs)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [D, Hq, 1, D]
-        k,
-        v,
-        attn_mask=meta.decode_mask,
-        scale=scale,
-        enable_gqa=num_heads != k.shape[1],
-    )  # [D, Hq, 1, D]
-    return out.view(num_seqs, num_heads, head_dim)
+    """Attention of one new token per decode seq; q: [D, Hq, D] · returns [D, Hq, D]. Seqs of similar
+    length go together, so padding to a group's longest context wastes little and copies stay small."""
+    num_heads, head_dim = q.shape[1:]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for group in meta.decode_groups:
+        num_seqs = group.rows.shape[0]
+        k = _gather_kv(k_cache, group.kv_blocks, num_seqs)  # [G, Hkv, L, D]
+        v = _gather_kv(v_cache, group.kv_blocks, num_seqs)
+        group_out = F.scaled_dot_product_attention(
+            q.index_select(0, group.rows).unsqueeze(2),  # [G, Hq, 1, D]
+            k,
+            v,
+            attn_mask=group.mask,
+            scale=scale,
+            enable_gqa=num_heads != k.shape[1],
+        )  # [G, Hq, 1, D]
+        out.index_copy_(0, group.rows, group_out.view(num_seqs, num_heads, head_dim))
+    return out
 
 
 def _gather_kv(cache: Tensor, blocks: Tensor, num_seqs: int) -> Tensor:
