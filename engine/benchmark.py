@@ -92,12 +92,12 @@ def profile_steps(llm: LLM, prompts: list[list[int]], output_len: int) -> dict[s
     categories: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         name = event.key
-        if name in ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm"):
-            cat = "matmul"
-        elif "attention" in name or "softmax" in name or name == "aten::index":
-            cat = "attention (sdpa, gather)"
+        if "linear" in name or name in ("aten::addmm", "aten::mm", "aten::matmul", "aten::bmm"):
+            cat = "matmul (linear layers, LM head)"
+        elif "attention" in name or name in ("aten::index_select", "aten::index_copy_"):
+            cat = "attention (sdpa, K/V gather and store)"
         else:
-            cat = "other torch ops"
+            cat = "other torch ops (norms, rotary, activations, sampling)"
         categories[cat] += event.self_cpu_time_total / 1e6
     torch_total = sum(categories.values())
     categories["python + scheduling (wall - torch)"] = max(wall - torch_total, 0.0)
@@ -164,7 +164,7 @@ def print_table(results: dict) -> None:
         hf_s = f"{hf:.1f}" if hf else "-"
         print(f"{name:<10}{row['prompt_tokens']:>12}{row['loraplex_tok_s']:>16.1f}{hf_s:>20}{ratio:>8}")
         for cat, secs in row.get("profile_s", {}).items():
-            print(f"    {cat:<40}{secs:8.2f} s")
+            print(f"    {cat:<56}{secs:8.2f} s")
 
 
 if __name__ == "__main__":
