@@ -68,7 +68,7 @@ class AsyncEngine:
         stream = self._streams.get(out.request_id) if not out.finished else self._streams.pop(out.request_id, None)
         if stream is not None:
             loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, out)
+            loop.call_soon_threadsafe(q.put_nowait, out.error if out.error is not None else out)
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.groups):

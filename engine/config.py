@@ -24,6 +24,12 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "torch" | "triton" | "auto" (triton on CUDA)
+    enable_lora: bool = False
+    max_loras: int = 4  # device rows of stacked adapter weights: distinct adapters in one step
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # host-memory LRU tier; None: 4 x max_loras
+    allow_pickle_adapters: bool = False  # adapter_model.bin, loaded with weights_only=True
+    lora_backend: str = "auto"  # "torch" | "triton" | "auto" (triton on CUDA)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -39,6 +45,12 @@ class EngineConfig:
             raise ValueError(f"unsupported dtype '{self.dtype}'; choose one of {sorted(DTYPES)}")
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
+        if self.lora_backend == "auto":
+            self.lora_backend = "triton" if self.device.startswith("cuda") else "torch"
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = 4 * self.max_loras
+        if self.enable_lora and (self.max_loras < 1 or self.max_lora_rank < 1):
+            raise ValueError("max_loras and max_lora_rank must be positive")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from adapters.ref import LoRARequest
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
@@ -23,7 +24,7 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def to_request(self, prompt: Prompt, params: SamplingParams) -> EngineRequest:
+    def to_request(self, prompt: Prompt, params: SamplingParams, lora: LoRARequest | None = None) -> EngineRequest:
         text = None
         if isinstance(prompt, dict):
             text = prompt.get("prompt")
@@ -32,24 +33,31 @@ class LLM:
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             token_ids = [int(t) for t in prompt]
-        return EngineRequest(str(next(self._ids)), token_ids, params, prompt=text)
+        return EngineRequest(str(next(self._ids)), token_ids, params, lora=lora, prompt=text)
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion in one continuous batch; outputs come back in prompt order."""
+        """Runs every prompt to completion in one continuous batch; outputs come back in prompt order.
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        requests = [self.to_request(p, sp) for p, sp in zip(prompts, params)]
-        for request in requests:  # validate all before queueing any
+        loras = lora_request if isinstance(lora_request, list | tuple) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} lora requests")
+        requests = [self.to_request(p, sp, lora) for p, sp, lora in zip(prompts, params, loras)]
+        for request in requests:  # validate all, adapters included, before queueing any
             self.engine.validate(request)
+        for lora in {r.lora for r in requests if r.lora is not None}:
+            self.engine.adapter_cache.load(lora)
         for request in requests:
             self.engine.add_request(request)
         results = {r.request_id: self._empty_output(r) for r in requests}

@@ -60,7 +60,8 @@ class LLMEngine:
             self.runner.num_blocks * config.block_size,  # one sequence must always fit the pool
         )
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.adapter_cache = self.runner.adapter_cache
+        self.scheduler = Scheduler(config, self.block_manager, self.adapter_cache)
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids)
         self.groups: dict[str, SequenceGroup] = {}
@@ -86,10 +87,14 @@ class LLMEngine:
         self._arrivals += 1
         seq = self._new_seq(group, 0, list(request.prompt_token_ids))
         self.groups[request.request_id] = group
+        if request.lora is not None:
+            self.adapter_cache.prefetch(request.lora)  # read from disk off the step's critical path
         self.scheduler.add(seq)
 
     def validate(self, request: EngineRequest) -> None:
         """Raises ValueError naming what is wrong with the request; changes nothing."""
+        if request.lora is not None and self.adapter_cache is None:
+            raise ValueError(f"adapter '{request.lora.name}' requested but LoRA is not enabled (enable_lora=True)")
         if request.request_id in self.groups:
             raise ValueError(f"request id '{request.request_id}' is already in use")
         num_prompt = len(request.prompt_token_ids)
@@ -128,6 +133,12 @@ class LLMEngine:
                 outputs.append(CompletionOutput(seq.index, "", [], [] if seq.logprobs is not None else None, "abort"))
         return self._request_output(group, outputs)
 
+    def _fail(self, group: SequenceGroup, error: Exception) -> RequestOutput | None:
+        output = self.abort(group.request_id)
+        if output is not None:
+            output.error = error
+        return output
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -136,8 +147,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one iteration; returns a delta for each request that produced tokens or finished."""
         batch = self.scheduler.schedule()
+        failed = [self._fail(seq.group, error) for seq, error in self.scheduler.failed]
+        self.scheduler.failed.clear()
         if batch.is_empty:
-            return []
+            return [f for f in failed if f is not None]
         sampling_seqs = batch.sampling_seqs()
         logits = self.runner.execute(batch)  # [S, V]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -156,7 +169,7 @@ class LLMEngine:
         finished: list[str] = []
         for seq, token in zip(row_seqs, sampled):
             deltas.setdefault(seq.request_id, []).append(self._append(seq, token))
-        outputs = []
+        outputs = [f for f in failed if f is not None]
         for request_id, outs in deltas.items():
             group = self.groups[request_id]
             if group.is_finished:

@@ -11,12 +11,17 @@ import logging
 import numpy as np
 import torch
 
+from adapters.base_spec import BaseModelSpec
+from adapters.cache import AdapterCache
 from engine.config import EngineConfig
 from engine.cpu_malloc import keep_freed_memory
+from engine.layers.lora_linear import LoRAContext, LoRALinear
 from engine.layers.packed_linear import can_pack, pack_linears
 from engine.model_loader import load_model
 from engine.models.arch import ModelArch
+from engine.models.llama import lora_targets
 from engine.scheduler import ScheduledBatch
+from kernels.lora import LoraMeta, get_lora_ops
 from kernels.paged_attention import PagedAttentionMeta
 
 logger = logging.getLogger(__name__)
@@ -26,6 +31,26 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 
 def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
     return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+
+
+def base_model_spec(arch: ModelArch, model_dir: str) -> BaseModelSpec:
+    """What adapters are validated against: each LoRA-able module's (in, out) features."""
+    hidden, inner, q, kv = (
+        arch.hidden_size,
+        arch.intermediate_size,
+        arch.num_heads * arch.head_dim,
+        arch.num_kv_heads * arch.head_dim,
+    )
+    shapes = {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inner),
+        "up_proj": (hidden, inner),
+        "down_proj": (inner, hidden),
+    }
+    return BaseModelSpec(num_layers=arch.num_layers, module_shapes=shapes, base_model_name=model_dir)
 
 
 class ModelRunner:
@@ -39,6 +64,10 @@ class ModelRunner:
         self.arch = self.model.arch
         if can_pack(self.device, config.torch_dtype):
             logger.info("packed %d linear layers for oneDNN", pack_linears(self.model))
+        self.adapter_cache: AdapterCache | None = None
+        self.lora_context: LoRAContext | None = None
+        if config.enable_lora:
+            self._enable_lora()
         self.num_blocks = self._num_blocks()
         # [2, layers, num_blocks, block_size, kv_heads, head_dim]: K and V of every layer in one allocation
         self.kv_cache = torch.zeros(
@@ -58,6 +87,34 @@ class ModelRunner:
             self.num_blocks,
             self.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+        )
+
+    def _enable_lora(self) -> None:
+        """Stacked adapter rows in an AdapterCache, and every LoRA-able linear wrapped to read them."""
+        config, arch = self.config, self.arch
+        spec = base_model_spec(arch, config.model)
+        self.adapter_cache = AdapterCache(
+            spec,
+            lora_targets,
+            config.max_loras,
+            config.max_cpu_loras,
+            config.max_lora_rank,
+            self.device,
+            config.torch_dtype,
+            config.allow_pickle_adapters,
+        )
+        self.lora_context = LoRAContext(get_lora_ops(config.lora_backend))
+        for layer_idx in range(arch.num_layers):
+            for name, owner in self.model.lora_owners(layer_idx).items():
+                slices = tuple(spec.module_shapes[m][1] for m in lora_targets[name])
+                a, b = self.adapter_cache.lora_a[layer_idx][name], self.adapter_cache.lora_b[layer_idx][name]
+                setattr(owner, name, LoRALinear(getattr(owner, name), a, b, slices, self.lora_context))
+        logger.info(
+            "LoRA: %d device rows of rank %d, %d adapters in host memory, %s kernels",
+            config.max_loras,
+            config.max_lora_rank,
+            config.max_cpu_loras,
+            config.lora_backend,
         )
 
     def _num_blocks(self) -> int:
@@ -80,6 +137,7 @@ class ModelRunner:
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         sample_rows: list[int] = []
+        token_adapter_idx: list[int] = []
         q_lens, context_lens, block_tables = [], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -88,6 +146,7 @@ class ModelRunner:
             positions.append(pos)
             slots.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)
             q_lens.append(n)
+            token_adapter_idx += [seq.adapter_idx] * n
             context_lens.append(end)
             block_tables.append(seq.block_table)
             if end == seq.num_tokens:
@@ -106,6 +165,8 @@ class ModelRunner:
         input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
         positions_t = torch.from_numpy(np.concatenate(positions)).to(self.device)  # [T]
         sample_rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self.device)  # [S]
+        if self.lora_context is not None:
+            self.lora_context.meta = LoraMeta.build(token_adapter_idx, self.device)
         return input_ids_t, positions_t, meta, sample_rows_t
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:

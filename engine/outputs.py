@@ -35,6 +35,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)
+    error: Exception | None = None  # set when the request failed (e.g. its adapter could not be loaded)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from adapters.ref import LoRARequest
 from engine.sampling_params import SamplingParams
 
 
@@ -12,6 +13,7 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    adapter_key: str | None = None  # the adapter's content digest: keys the prefix cache; None = base model
+    lora: LoRARequest | None = None  # None: the base model alone
+    adapter_key: str | None = None  # keys the prefix cache; the engine sets it to the adapter's content digest
     tenant: str | None = None
     prompt: str | None = None  # the text the ids came from, when there was one

@@ -13,9 +13,10 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
+from adapters.cache import AdapterCache
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import NO_ADAPTER, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -40,10 +41,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, adapter_cache: AdapterCache | None = None):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
+        self.adapter_cache = adapter_cache
+        self.failed: list[tuple[Sequence, Exception]] = []  # adapter loads that failed; the engine ends them
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # ordered by arrival
         self.num_preemptions = 0
@@ -52,7 +55,9 @@ class Scheduler:
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
-        """A forked sample joins the running batch next to its parent."""
+        """A forked sample joins the running batch next to its parent (and pins the parent's adapter row)."""
+        if seq.group.lora is not None:
+            seq.adapter_idx = self.adapter_cache.acquire(seq.group.lora)
         seq.status = SequenceStatus.RUNNING
         self._insert_running(seq)
 
@@ -64,8 +69,14 @@ class Scheduler:
         keys = [(s.group.arrival, s.index) for s in self.running]
         self.running.insert(bisect.bisect(keys, (seq.group.arrival, seq.index)), seq)
 
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.adapter_idx != NO_ADAPTER:
+            self.adapter_cache.release(seq.adapter_idx)
+            seq.adapter_idx = NO_ADAPTER
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        self._release_adapter(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -96,13 +107,35 @@ class Scheduler:
             copies[seq.seq_id] = cp
             picked[seq.seq_id] = num_new
             budget -= num_new
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        if not preempted:
+            budget = self._admit(budget, picked)
+        return self._batch(picked, [c for cp in copies.values() for c in cp], preempted)
+
+    def _admit(self, budget: int, picked: dict[int, int]) -> int:
+        """Waiting seqs join oldest first while budget, seats and blocks last. A seq whose adapter is still
+        loading is passed over (others run meanwhile); once an older seq waits for a free adapter row,
+        younger ones may not take rows before it, so the rows drain and it cannot starve."""
+        position, row_blocked = 0, False
+        while position < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[position]
+            if seq.group.lora is not None:
+                if row_blocked:
+                    position += 1
+                    continue
+                status = self._acquire_adapter(seq)
+                if status == "failed":
+                    del self.waiting[position]
+                    continue
+                if status != "ok":
+                    row_blocked = status == "no_row"
+                    position += 1
+                    continue
             cached = self.block_manager.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
             if not self.block_manager.can_allocate(seq, cached, num_new):
+                self._release_adapter(seq)
                 break
-            self.waiting.popleft()
+            del self.waiting[position]
             self.block_manager.allocate(seq, cached, num_new)
             if seq.group.num_cached_tokens is None:  # first admission: what the prefix cache saved
                 seq.group.num_cached_tokens = seq.num_computed_tokens
@@ -110,7 +143,21 @@ class Scheduler:
             self._insert_running(seq)
             picked[seq.seq_id] = num_new
             budget -= num_new
-        return self._batch(picked, [c for cp in copies.values() for c in cp], preempted)
+        return budget
+
+    def _acquire_adapter(self, seq: Sequence) -> str:
+        """Pins the seq's adapter row: "ok", "loading", "no_row" (every row pinned) or "failed"."""
+        lora = seq.group.lora
+        try:
+            row = self.adapter_cache.acquire(lora)
+        except Exception as e:
+            self.failed.append((seq, e))
+            return "failed"
+        if row is None:
+            return "loading" if self.adapter_cache.digest(lora) is None else "no_row"
+        seq.adapter_idx = row
+        seq.group.adapter_key = self.adapter_cache.digest(lora)
+        return "ok"
 
     def _batch(self, picked: dict[int, int], copies: list[tuple[int, int]], preempted: int) -> ScheduledBatch:
         seqs = [s for s in self.running if s.seq_id in picked]
@@ -133,3 +180,4 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         self.block_manager.free(seq)
+        self._release_adapter(seq)

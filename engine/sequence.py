@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
+NO_ADAPTER = -1
 
 
 class SequenceStatus(Enum):
@@ -41,6 +42,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of the full blocks registered in the prefix cache
+        self.adapter_idx = NO_ADAPTER  # the device row of its adapter while admitted (pinned)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -97,7 +99,8 @@ class SequenceGroup:
         self.prompt = request.prompt
         self.prompt_token_ids = list(request.prompt_token_ids)
         self.params = request.sampling
-        self.adapter_key = request.adapter_key
+        self.lora = request.lora
+        self.adapter_key = request.adapter_key  # set to the adapter's digest once it is loaded
         self.tenant = request.tenant
         self.arrival = arrival  # admission order: FCFS and preemption victims follow it
         self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at first admission

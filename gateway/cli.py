@@ -27,6 +27,12 @@ def _bench_engine(args: argparse.Namespace) -> None:
     bench_main(args.bench_args)
 
 
+def _bench_lora(args: argparse.Namespace) -> None:
+    from engine.lora_benchmark import main as bench_main
+
+    bench_main(args.bench_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description="Multi-LoRA serving on one base model.")
     parser.add_argument("--log-level", default="INFO")
@@ -49,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("bench_args", nargs=argparse.REMAINDER)
     engine.set_defaults(func=_bench_engine)
+    lora = bench_sub.add_parser("lora", help="offline multi-LoRA throughput vs transformers + peft", add_help=False)
+    lora.add_argument("bench_args", nargs=argparse.REMAINDER)
+    lora.set_defaults(func=_bench_lora)
     return parser
 
 

@@ -11,7 +11,8 @@ _arrivals = iter(range(10**6))
 
 
 def make_seq(token_ids: list[int], adapter_key: str | None = None) -> Sequence:
-    group = SequenceGroup(EngineRequest(f"r{id(token_ids)}", token_ids, SamplingParams(), adapter_key), next(_arrivals))
+    request = EngineRequest(f"r{id(token_ids)}", token_ids, SamplingParams(), adapter_key=adapter_key)
+    group = SequenceGroup(request, next(_arrivals))
     seq = Sequence(group, 0, list(token_ids), detokenizer=None)
     group.seqs.append(seq)
     return seq

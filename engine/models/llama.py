@@ -26,6 +26,14 @@ packed_modules = {
     "up_proj": ("gate_up_proj", 1),
 }
 
+# our LoRA-able module -> the checkpoint / PEFT modules it packs, in slice order
+lora_targets = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
 
 class Attention(nn.Module):
     def __init__(self, arch: ModelArch, attention_backend: str):
@@ -122,3 +130,13 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def lora_owners(self, layer_idx: int) -> dict[str, nn.Module]:
+        """For each LoRA-able module name, the module that holds it as an attribute."""
+        layer = self.model.layers[layer_idx]
+        return {
+            "qkv_proj": layer.self_attn,
+            "o_proj": layer.self_attn,
+            "gate_up_proj": layer.mlp,
+            "down_proj": layer.mlp,
+        }

@@ -1,0 +1,238 @@
+"""AdapterCache: the device rows of stacked LoRA weights, the host-memory LRU tier, and the loader thread.
+
+It alone maps an adapter to its `adapter_idx` (a row of every stacked tensor) and keeps pin counts: a row
+pinned by a running sequence is never evicted. Reading and validating an adapter from disk happens on the
+loader thread, off the step's critical path; activating a host-resident adapter is one copy per stacked
+tensor, done by the engine thread between steps.
+
+Stacked layout per layer and packed module (e.g. "qkv_proj" = q, k, v slices):
+`lora_a: [max_loras, S * R, H_in]`, `lora_b: [max_loras, H_out, R]` with R = max_lora_rank, lower ranks
+zero-padded, modules an adapter does not target left zero, and each module's scaling folded into its B.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from adapters.base_spec import BaseModelSpec
+from adapters.lora_weights import AdapterError, LoRAWeights, load_lora
+from adapters.ref import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # LoRARequest.key
+
+
+@dataclass(slots=True)
+class HostAdapter:
+    weights: LoRAWeights
+    rows: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, packed) -> (A row, B row)
+    load_seconds: float
+
+
+@dataclass(slots=True)
+class AdapterCacheStats:
+    loads: int = 0
+    load_seconds: float = 0.0
+    activations: int = 0
+    device_evictions: int = 0
+    host_evictions: int = 0
+    failures: int = 0
+
+
+@dataclass(slots=True)
+class _Rows:
+    row_of: OrderedDict[Key, int] = field(default_factory=OrderedDict)  # resident, least recently used first
+    pins: list[int] = field(default_factory=list)
+    free: list[int] = field(default_factory=list)
+
+
+class AdapterCache:
+    def __init__(
+        self,
+        spec: BaseModelSpec,
+        packed: dict[str, tuple[str, ...]],
+        max_loras: int,
+        max_cpu_loras: int,
+        max_lora_rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        allow_pickle: bool = False,
+    ):
+        if max_cpu_loras < max_loras:
+            raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be at least max_loras ({max_loras})")
+        self.spec, self.packed = spec, packed
+        self.max_loras, self.max_cpu_loras, self.max_lora_rank = max_loras, max_cpu_loras, max_lora_rank
+        self.device, self.dtype, self.allow_pickle = device, dtype, allow_pickle
+        rank = max_lora_rank
+        self.lora_a: list[dict[str, torch.Tensor]] = []  # per layer: packed name -> [N, S * R, H_in]
+        self.lora_b: list[dict[str, torch.Tensor]] = []  # per layer: packed name -> [N, H_out, R]
+        for _ in range(spec.num_layers):
+            a, b = {}, {}
+            for name, modules in packed.items():
+                h_in = spec.module_shapes[modules[0]][0]
+                h_out = sum(spec.module_shapes[m][1] for m in modules)
+                a[name] = torch.zeros(max_loras, len(modules) * rank, h_in, dtype=dtype, device=device)
+                b[name] = torch.zeros(max_loras, h_out, rank, dtype=dtype, device=device)
+            self.lora_a.append(a)
+            self.lora_b.append(b)
+        self._rows = _Rows(pins=[0] * max_loras, free=list(range(max_loras)))
+        self._host: OrderedDict[Key, HostAdapter] = OrderedDict()  # least recently used first
+        self._loading: dict[Key, Future] = {}
+        self._failed: dict[Key, AdapterError] = {}
+        self._lock = threading.Lock()
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-adapter-loader")
+        self.stats = AdapterCacheStats()
+
+    # ---- host tier (any thread) ---------------------------------------------------------------------
+    def _read(self, lora: LoRARequest) -> HostAdapter:
+        start = time.perf_counter()
+        weights = load_lora(lora.path, self.spec, self.max_lora_rank, self.allow_pickle, name=lora.name)
+        rows = {
+            (layer, name): self._padded_rows(weights, layer, modules)
+            for layer in range(self.spec.num_layers)
+            for name, modules in self.packed.items()
+        }
+        return HostAdapter(weights, rows, time.perf_counter() - start)
+
+    def _padded_rows(self, weights: LoRAWeights, layer: int, modules: tuple[str, ...]):
+        rank, shapes = self.max_lora_rank, self.spec.module_shapes
+        a = torch.zeros(len(modules) * rank, shapes[modules[0]][0], dtype=self.dtype)  # [S * R, H_in]
+        b = torch.zeros(sum(shapes[m][1] for m in modules), rank, dtype=self.dtype)  # [H_out, R]
+        offset = 0
+        for s, module in enumerate(modules):
+            if (layer, module) in weights.weights:
+                lora_a, lora_b, scaling = weights.weights[(layer, module)]  # [r, in], [out, r]
+                r = lora_a.shape[0]
+                a[s * rank : s * rank + r] = lora_a
+                b[offset : offset + lora_b.shape[0], :r] = lora_b * scaling
+            offset += shapes[module][1]
+        if self.device.type == "cuda":
+            a, b = a.pin_memory(), b.pin_memory()
+        return a, b
+
+    def _store(self, lora: LoRARequest, host: HostAdapter) -> None:
+        with self._lock:
+            self._host[lora.key] = host
+            self._host.move_to_end(lora.key)
+            while len(self._host) > self.max_cpu_loras:
+                self._host.popitem(last=False)
+                self.stats.host_evictions += 1
+            self.stats.loads += 1
+            self.stats.load_seconds += host.load_seconds
+        logger.info(
+            "adapter '%s' loaded to host memory in %.0f ms (rank %d, %s)",
+            lora.name,
+            host.load_seconds * 1e3,
+            host.weights.rank,
+            host.weights.digest[:19],
+        )
+
+    def load(self, lora: LoRARequest) -> LoRAWeights:
+        """Reads and validates now (raising AdapterError), keeping the result in the host tier."""
+        with self._lock:
+            if lora.key in self._host:
+                return self._host[lora.key].weights
+        host = self._read(lora)
+        self._store(lora, host)
+        return host.weights
+
+    def prefetch(self, lora: LoRARequest) -> None:
+        """Starts loading in the background unless it is resident, on the host, loading, or failed."""
+        with self._lock:
+            if lora.key in self._host or lora.key in self._loading or lora.key in self._failed:
+                return
+            self._loading[lora.key] = self._loader.submit(self._load_in_background, lora)
+
+    def _load_in_background(self, lora: LoRARequest) -> None:
+        try:
+            self._store(lora, self._read(lora))
+        except AdapterError as e:
+            logger.warning("%s", e)
+            with self._lock:
+                self._failed[lora.key] = e
+                self.stats.failures += 1
+        except Exception as e:  # an unexpected failure must not leave requests waiting forever
+            logger.exception("loading adapter '%s' failed", lora.name)
+            with self._lock:
+                self._failed[lora.key] = AdapterError(f"adapter '{lora.name}': {e}")
+                self.stats.failures += 1
+        finally:
+            with self._lock:
+                self._loading.pop(lora.key, None)
+
+    def digest(self, lora: LoRARequest) -> str | None:
+        with self._lock:
+            host = self._host.get(lora.key)
+        return host.weights.digest if host else None
+
+    def forget_failure(self, lora: LoRARequest) -> None:
+        with self._lock:
+            self._failed.pop(lora.key, None)
+
+    # ---- device rows (engine thread only) -----------------------------------------------------------
+    def acquire(self, lora: LoRARequest) -> int | None:
+        """Pins the adapter's device row and returns its adapter_idx; None while it is loading or every row
+        is pinned by running sequences. Raises the AdapterError of a failed load."""
+        rows = self._rows
+        row = rows.row_of.get(lora.key)
+        if row is None:
+            with self._lock:
+                failure = self._failed.get(lora.key)
+                host = self._host.get(lora.key)
+            if failure is not None:
+                raise failure
+            if host is None:
+                self.prefetch(lora)
+                return None
+            row = self._free_row()
+            if row is None:
+                return None
+            self._activate(row, host)
+            rows.row_of[lora.key] = row
+        rows.row_of.move_to_end(lora.key)
+        rows.pins[row] += 1
+        return row
+
+    def _free_row(self) -> int | None:
+        rows = self._rows
+        if rows.free:
+            return rows.free.pop()
+        victim = next((key for key, row in rows.row_of.items() if rows.pins[row] == 0), None)
+        if victim is None:
+            return None
+        self.stats.device_evictions += 1
+        return rows.row_of.pop(victim)
+
+    def _activate(self, row: int, host: HostAdapter) -> None:
+        for (layer, name), (a, b) in host.rows.items():
+            self.lora_a[layer][name][row].copy_(a, non_blocking=True)
+            self.lora_b[layer][name][row].copy_(b, non_blocking=True)
+        self.stats.activations += 1
+
+    def release(self, adapter_idx: int) -> None:
+        assert self._rows.pins[adapter_idx] > 0, f"adapter row {adapter_idx} is not pinned"
+        self._rows.pins[adapter_idx] -= 1
+
+    def can_acquire_without_eviction_block(self, lora: LoRARequest) -> bool:
+        """Whether acquire() could succeed now as far as rows go (resident, or a row is free or evictable)."""
+        rows = self._rows
+        return lora.key in rows.row_of or bool(rows.free) or any(rows.pins[r] == 0 for r in rows.row_of.values())
+
+    @property
+    def num_pinned(self) -> int:
+        return sum(1 for p in self._rows.pins if p)
+
+    @property
+    def num_resident(self) -> int:
+        return len(self._rows.row_of)
+
+    def shutdown(self) -> None:
+        self._loader.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,223 @@
+"""load_lora: a PEFT LoRA directory read into fp32 (A, B, scaling) per (layer, module), after checking all of it.
+
+Nothing is returned, so nothing reaches a device, unless every check passed: files, config, tensor names, pairs,
+shapes against the base model, ranks, finiteness, and agreement between the tensors and adapter_config.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from adapters.base_spec import MODULE_PARENTS, BaseModelSpec
+from adapters.peft_config import AdapterConfig, AdapterError, read_adapter_config
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_NAME = "adapter_model.safetensors"
+PICKLE_NAME = "adapter_model.bin"
+
+# base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight, with or without `.default` before `.weight`
+LORA_TENSOR = re.compile(
+    r"(?:base_model\.model\.)?(?P<key>(?P<prefix>(?:.*\.)?)layers\.(?P<layer>\d+)\.[^.]+\.(?P<module>[^.]+))"
+    r"\.(?P<ab>lora_A|lora_B)(?:\.default)?\.weight"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAWeights:
+    name: str
+    path: str
+    rank: int  # the largest rank over modules
+    digest: str  # "sha256:<hex>": the adapter's content identity
+    target_modules: frozenset[str]  # module names present, e.g. {"q_proj", "v_proj"}
+    num_bytes: int  # of the fp32 A and B tensors held in `weights`
+    # (layer, module) -> (A [r, in] fp32, B [out, r] fp32, scaling): delta(x) = scaling * x @ A.T @ B.T
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
+
+
+def load_lora(
+    path: str | Path, spec: BaseModelSpec, max_lora_rank: int, allow_pickle: bool = False, name: str | None = None
+) -> LoRAWeights:
+    """Reads and validates the PEFT LoRA adapter in directory `path`; raises AdapterError naming any problem."""
+    directory = Path(path)
+    label = name or str(path)
+    if not directory.is_dir():
+        raise AdapterError(f"adapter {label!r}: {path} is not a directory")
+    config = read_adapter_config(directory, label)
+    _check_base_name(config, spec, label)
+    tensors, pairs, prefix = _pair_tensors(_read_tensors(directory, label, allow_pickle), spec, label)
+    _check_targets(config, set(pairs.values()), prefix, spec, label)
+    weights = _checked_weights(tensors, pairs, config, spec, max_lora_rank, label)
+    return LoRAWeights(
+        name=name if name is not None else directory.name,
+        path=str(path),
+        rank=max(a.shape[0] for a, _, _ in weights.values()),
+        digest=_digest(tensors, {pairs[k]: s for k, (_, _, s) in weights.items()}),
+        target_modules=frozenset(module for _, module in weights),
+        num_bytes=sum(a.nbytes + b.nbytes for a, b, _ in weights.values()),
+        weights=weights,
+    )
+
+
+def _read_tensors(directory: Path, label: str, allow_pickle: bool) -> dict[str, torch.Tensor]:
+    """Stored tensor name -> tensor, from the safetensors file, else (if allowed) the pickle."""
+    safetensors_path, pickle_path = directory / SAFETENSORS_NAME, directory / PICKLE_NAME
+    if safetensors_path.is_file():
+        try:
+            with safe_open(str(safetensors_path), framework="pt", device="cpu") as f:
+                stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise AdapterError(f"adapter {label!r}: cannot read {safetensors_path}: {e}") from e
+    elif pickle_path.is_file():
+        if not allow_pickle:
+            raise AdapterError(
+                f"adapter {label!r}: has only pickle weights ({PICKLE_NAME}), which can run code when loaded; "
+                f"convert them to {SAFETENSORS_NAME}, or have the operator allow pickles"
+            )
+        try:
+            stored = torch.load(pickle_path, map_location="cpu", weights_only=True)
+        except Exception as e:  # a pickle fails in many ways; each one means the same: a bad file
+            raise AdapterError(f"adapter {label!r}: cannot read {pickle_path}: {e}") from e
+        if not isinstance(stored, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in stored.items()
+        ):
+            raise AdapterError(f"adapter {label!r}: {pickle_path} is not a dictionary of named tensors")
+    else:
+        raise AdapterError(f"adapter {label!r}: no weights file ({SAFETENSORS_NAME}) in {directory}")
+    if not stored:
+        raise AdapterError(f"adapter {label!r}: the weights file holds no tensors")
+    return stored
+
+
+def _pair_tensors(
+    stored: dict[str, torch.Tensor], spec: BaseModelSpec, label: str
+) -> tuple[dict[str, torch.Tensor], dict[tuple[int, str], str], str]:
+    """Tensors renamed to `<module key>.lora_A|B`; (layer, module) -> module key; the keys' prefix ("model.")."""
+    tensors: dict[str, torch.Tensor] = {}
+    pairs: dict[tuple[int, str], str] = {}
+    halves: dict[str, set[str]] = {}
+    prefixes = set()
+    for stored_name, tensor in stored.items():
+        match = LORA_TENSOR.fullmatch(stored_name)
+        if match is None:
+            raise AdapterError(f"adapter {label!r}: tensor {stored_name} {_why_unsupported(stored_name)}")
+        name = f"{match['key']}.{match['ab']}"
+        if name in tensors:
+            raise AdapterError(f"adapter {label!r}: tensor {name} is stored twice (with and without '.default')")
+        tensors[name] = tensor
+        module, layer = match["module"], int(match["layer"])
+        if module not in spec.module_shapes:
+            known = ", ".join(spec.module_shapes)
+            raise AdapterError(f"adapter {label!r}: {name} is on module {module}; LoRA is supported on {known}")
+        if layer >= spec.num_layers:
+            raise AdapterError(
+                f"adapter {label!r}: {name} is in layer {layer}, but the base model has {spec.num_layers} layers"
+            )
+        pairs[layer, module] = match["key"]
+        halves.setdefault(match["key"], set()).add(match["ab"])
+        prefixes.add(match["prefix"])
+    for key, found in sorted(halves.items()):
+        if len(found) < 2:
+            missing = ({"lora_A", "lora_B"} - found).pop()
+            raise AdapterError(f"adapter {label!r}: {key} has {found.pop()} but no {missing}")
+    if len(set(pairs.values())) != len(pairs) or len(prefixes) != 1:
+        raise AdapterError(f"adapter {label!r}: tensor names do not follow one layout: {sorted(stored)[:4]} ...")
+    return tensors, pairs, prefixes.pop()
+
+
+def _why_unsupported(name: str) -> str:
+    if "lora_magnitude_vector" in name:
+        return "is a DoRA magnitude vector; DoRA is not supported"
+    if "lora_embedding_" in name:
+        return "is an embedding LoRA; LoRA on embeddings is not supported"
+    if "modules_to_save" in name:
+        return "is a fully trained module (modules_to_save), which is not supported"
+    if "lm_head" in name or "embed_tokens" in name:
+        return "targets the embeddings or the LM head; LoRA is supported on linear layers inside the blocks only"
+    if name.endswith(".bias"):
+        return "is a bias; adapters that train biases are not supported"
+    return "is not a lora_A / lora_B weight of a module of the base model"
+
+
+def _check_targets(config: AdapterConfig, keys: set[str], prefix: str, spec: BaseModelSpec, label: str) -> None:
+    """The weights hold exactly the modules that adapter_config.json targets, as peft would load them."""
+    for key in sorted(keys):
+        if not config.targets(key):
+            raise AdapterError(f"adapter {label!r}: {key} has LoRA weights, but adapter_config.json does not target it")
+    for layer in range(spec.num_layers):
+        for module in spec.module_shapes:
+            key = f"{prefix}layers.{layer}.{MODULE_PARENTS.get(module, 'mlp')}.{module}"
+            if key not in keys and config.targets(key):
+                raise AdapterError(f"adapter {label!r}: adapter_config.json targets {key}, but no weights are given")
+
+
+def _checked_weights(
+    tensors: dict[str, torch.Tensor],
+    pairs: dict[tuple[int, str], str],
+    config: AdapterConfig,
+    spec: BaseModelSpec,
+    max_lora_rank: int,
+    label: str,
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]:
+    weights = {}
+    for (layer, module), key in sorted(pairs.items()):
+
+        def fail(problem: str, key: str = key) -> AdapterError:
+            return AdapterError(f"adapter {label!r}: {key}.{problem}")
+
+        a, b = _checked_pair(tensors[f"{key}.lora_A"], tensors[f"{key}.lora_B"], module, spec, fail)
+        rank = a.shape[0]
+        if rank > max_lora_rank:
+            raise fail(f"lora_A has rank {rank}, above the server's max_lora_rank {max_lora_rank}")
+        if rank != config.rank_for(key):
+            raise fail(f"lora_A has rank {rank}, but adapter_config.json gives r={config.rank_for(key)} for it")
+        weights[layer, module] = a, b, config.scaling_for(key)
+    return weights
+
+
+def _checked_pair(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, module: str, spec: BaseModelSpec, fail
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [r, in] and B [out, r] as fp32, once their shapes fit the base module and every value is finite."""
+    for ab, t in (("lora_A", lora_a), ("lora_B", lora_b)):
+        if not t.is_floating_point() or t.ndim != 2:
+            raise fail(f"{ab} has dtype {t.dtype} and shape {tuple(t.shape)}; it must be a floating point matrix")
+    in_features, out_features = spec.module_shapes[module]
+    if lora_a.shape[1] != in_features:
+        raise fail(f"lora_A has shape {tuple(lora_a.shape)}, the base model's {module} takes {in_features} inputs")
+    if lora_b.shape[0] != out_features:
+        raise fail(f"lora_B has shape {tuple(lora_b.shape)}, the base model's {module} gives {out_features} outputs")
+    if lora_b.shape[1] != lora_a.shape[0]:
+        raise fail(f"lora_B has shape {tuple(lora_b.shape)}, its rank differs from lora_A's {lora_a.shape[0]}")
+    a, b = lora_a.to(torch.float32).contiguous(), lora_b.to(torch.float32).contiguous()
+    for ab, t in (("lora_A", a), ("lora_B", b)):
+        if not torch.isfinite(t).all():
+            raise fail(f"{ab} holds NaN or Inf values")
+    return a, b
+
+
+def _digest(tensors: dict[str, torch.Tensor], scalings: dict[str, float]) -> str:
+    """sha256 over each tensor's name, dtype, shape and bytes in name order, then each module's scaling: two
+    adapters with the same tensors but another lora_alpha compute different things, so they differ here too."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.view(torch.uint8).numpy())
+    for key in sorted(scalings):
+        h.update(f"scaling\0{key}\0{scalings[key]!r}\0".encode())
+    return f"sha256:{h.hexdigest()}"
+
+
+def _check_base_name(config: AdapterConfig, spec: BaseModelSpec, label: str) -> None:
+    """Names differ across machines (paths, mirrors), so a mismatch is only logged; the shapes are the real check."""
+    theirs, ours = config.base_model_name_or_path, spec.base_model_name
+    if theirs and ours and Path(theirs).name != Path(ours).name:
+        logger.warning("adapter %r was trained on %r, the base model here is %r", label, theirs, ours)

@@ -1,0 +1,133 @@
+"""Offline multi-LoRA throughput: loraplex with K mixed adapters vs base-only vs transformers + peft.
+
+    loraplex bench lora [--num-prompts 64] [--rank 8] [--threads 2] [--json out.json]
+
+The 56M Llama of `loraplex bench engine`, fp32 on CPU; 64 requests of 128 random prompt tokens and 64 output
+tokens (ignore_eos); adapters of rank 8 on all 7 linear modules, each request's drawn uniformly among K.
+Rows: loraplex base-only; loraplex K=8 (max_loras=8); peft K=8 as one mixed batch (`adapter_names`) and
+grouped by adapter (`set_adapter`); loraplex K=128 with max_loras=16, max_cpu_loras=32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from adapters.ref import LoRARequest
+from engine.benchmark import build_model, workload
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+
+def make_adapters(hf_model, directory: Path, count: int, rank: int, seed: int = 0) -> list[LoRARequest]:
+    """`count` random rank-`rank` adapters on all linear modules, written by peft; one peft model reused."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False)
+    peft_model = get_peft_model(hf_model, config)
+    g = torch.Generator().manual_seed(seed)
+    loras = []
+    for i in range(count):
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_" in name:
+                    param.copy_(torch.randn(param.shape, generator=g) * 0.02)
+        path = directory / f"adapter-{i}"
+        peft_model.save_pretrained(str(path))
+        loras.append(LoRARequest(f"adapter-{i}", str(path)))
+    peft_model.unload()  # the base modules back, unchanged
+    return loras
+
+
+def time_loraplex(llm: LLM, prompts, output_len: int, loras) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, lora_request=loras)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
+    return elapsed
+
+
+def time_peft(peft_model, prompts, output_len: int, names: list[str], grouped: bool) -> float:
+    start = time.perf_counter()
+    with torch.inference_mode():
+        if grouped:
+            for name in sorted(set(names)):
+                rows = [p for p, n in zip(prompts, names) if n == name]
+                peft_model.set_adapter(name)
+                peft_model.generate(input_ids=torch.tensor(rows), max_new_tokens=output_len, do_sample=False)
+        else:
+            peft_model.generate(
+                input_ids=torch.tensor(prompts), max_new_tokens=output_len, do_sample=False, adapter_names=names
+            )
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="loraplex bench lora", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-peft", action="store_true")
+    parser.add_argument("--json", type=Path, default=Path("bench-results/lora.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rng = random.Random(0)
+    prompts = workload("fixed", args.num_prompts)
+    num_tokens = args.num_prompts * args.output_len
+    rows: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_model = build_model(Path(tmp) / "base")
+        loras = make_adapters(hf_model, Path(tmp), 128, args.rank)
+        k8 = [rng.choice(loras[:8]) for _ in prompts]
+        k128 = [rng.choice(loras) for _ in prompts]
+        base = str(Path(tmp) / "base")
+        common = dict(dtype="float32", device="cpu", max_num_seqs=args.num_prompts, enable_prefix_caching=False)
+        llm = LLM(model=base, enable_lora=True, max_loras=8, max_lora_rank=args.rank, max_cpu_loras=32, **common)
+        time_loraplex(llm, prompts[:4], 4, k8[:4])  # warm-up
+        rows["loraplex base-only"] = time_loraplex(llm, prompts, args.output_len, None)
+        rows["loraplex K=8"] = time_loraplex(llm, prompts, args.output_len, k8)
+        del llm
+        llm = LLM(model=base, enable_lora=True, max_loras=16, max_lora_rank=args.rank, max_cpu_loras=32, **common)
+        rows["loraplex K=128 (16 rows, 32 in host memory)"] = time_loraplex(llm, prompts, args.output_len, k128)
+        del llm
+        if not args.skip_peft:
+            from peft import PeftModel
+
+            peft_model = PeftModel.from_pretrained(hf_model, loras[0].path, adapter_name=loras[0].name).eval()
+            for lora in loras[1:8]:
+                peft_model.load_adapter(lora.path, adapter_name=lora.name)
+            names = [lora.name for lora in k8]
+            rows["peft K=8 mixed batch (adapter_names)"] = time_peft(peft_model, prompts, args.output_len, names, False)
+            rows["peft K=8 grouped (set_adapter)"] = time_peft(peft_model, prompts, args.output_len, names, True)
+    results = {name: {"seconds": s, "tok_s": num_tokens / s} for name, s in rows.items()}
+    report(results)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"rank": args.rank, "threads": args.threads, "rows": results}, indent=2))
+    print(f"saved {args.json}")
+    return results
+
+
+def report(results: dict) -> None:
+    base = results["loraplex base-only"]["tok_s"]
+    k8 = results["loraplex K=8"]["tok_s"]
+    peft_best = max((r["tok_s"] for n, r in results.items() if n.startswith("peft")), default=None)
+    print(f"\n{'run':<46}{'tok/s':>10}")
+    for name, row in results.items():
+        print(f"{name:<46}{row['tok_s']:>10.1f}")
+    print(f"\nK=8 / base-only: {k8 / base:.2f}   (target >= 0.85)")
+    k128 = results["loraplex K=128 (16 rows, 32 in host memory)"]["tok_s"]
+    print(f"K=128 / K=8:     {k128 / k8:.2f}   (target >= 0.7)")
+    if peft_best:
+        print(f"K=8 / best peft: {k8 / peft_best:.2f}   (target >= 3)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""Batched multi-LoRA ops (shrink, expand) over stacked adapter weights: a torch backend (reference, CPU) and a
+Triton one, by name."""
+
+import importlib
+from types import ModuleType
+
+from .meta import NO_ADAPTER, LoraMeta
+from .torch_ops import add_lora
+
+BACKENDS = ("torch", "triton")
+
+__all__ = ["BACKENDS", "NO_ADAPTER", "LoraMeta", "add_lora", "get_lora_ops"]
+
+
+def get_lora_ops(name: str) -> ModuleType:
+    """The backend module `name` ("torch" | "triton"), with lora_shrink(out, x, lora_a, meta, scaling),
+    lora_expand(y, z, lora_b, meta, output_slices) and add_lora(...); Triton is imported only here, on first use."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown LoRA backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return importlib.import_module(f"{__name__}.{name}_ops")

@@ -1,0 +1,129 @@
+"""LoraMeta: one step's batched-LoRA metadata, built once by the model runner and read by every LoRA layer.
+
+Token t of the step's flat batch uses row `token_adapter_idx[t]` of the stacked weights, -1 = no adapter.
+The tokens with an adapter are grouped by adapter: `sorted_token_idx` sorts them (stably) by row, and segment a
+of it holds the tokens of row `active_adapters[a]`. Besides what the Triton kernels read, `build` precomputes
+the two layouts the torch path may use without a gather (tokens already in runs) or with one padded batch
+(many small segments), so that a layer builds no index.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+NO_ADAPTER = -1
+# The padded layout is built only while padding at most doubles the rows: beyond that, padding costs more work
+# than the per-segment loop it saves.
+MAX_PADDED_ROWS_PER_TOKEN = 2
+
+
+@dataclass(slots=True)
+class LoraMeta:
+    token_adapter_idx: Tensor  # [T] int64 on device: row of the stacked weights per token, -1 = none
+    num_tokens: int  # T
+    has_lora: bool  # host: some token has an adapter; False: every op returns at once
+    active_adapters: list[int]  # [A] host: the rows in use, ascending
+    sorted_token_idx: Tensor  # [L] int64 on device: the L tokens with an adapter, stably sorted by row
+    seg_starts: list[int]  # [A] host: row active_adapters[a] owns sorted_token_idx[seg_starts[a]:seg_ends[a]]
+    seg_ends: list[int]  # [A] host
+    max_seg_len: int
+    seg_indptr: Tensor  # [A+1] int32 on device: seg_starts then the last end (Triton)
+    seg_adapter_idx: Tensor  # [A] int64 on device: active_adapters (Triton, and the torch padded layout)
+    # Torch path only.
+    run_starts: list[int] | None  # [A] host: when each row's tokens are one contiguous run of the batch, where
+    # the runs start (segment a is tokens run_starts[a] + [0, seg_len)); None: the segments need a gather
+    padded_token_idx: Tensor | None  # [A * max_seg_len] int64: segments padded to max_seg_len by repeating a
+    # token of theirs; None: padding would more than double the rows, or one segment
+    padded_rows: Tensor | None  # [L] int64: row of sorted token j in the padded layout
+
+    @property
+    def num_active(self) -> int:
+        return len(self.active_adapters)
+
+    @property
+    def num_lora_tokens(self) -> int:
+        return self.seg_ends[-1] if self.seg_ends else 0
+
+    @classmethod
+    def build(cls, token_adapter_idx: list[int] | Tensor, device: torch.device | str) -> "LoraMeta":
+        idx = torch.as_tensor(token_adapter_idx, dtype=torch.int64).cpu().view(-1)  # [T]
+        if idx.numel() and int(idx.min()) < NO_ADAPTER:
+            raise ValueError(f"token_adapter_idx holds {int(idx.min())}; rows are >= 0, or -1 for no adapter")
+        lora_tokens = (idx >= 0).nonzero().squeeze(1)  # [L]
+        sorted_rows, order = idx[lora_tokens].sort(stable=True)
+        sorted_token_idx = lora_tokens[order]  # [L]
+        active, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+        seg_lens = counts.tolist()
+        seg_indptr = [0, *torch.cumsum(counts, 0).tolist()]
+        max_seg_len = max(seg_lens, default=0)
+
+        def dev(x: list[int] | Tensor, dtype: torch.dtype = torch.int64) -> Tensor:
+            return torch.as_tensor(x, dtype=dtype).to(device=device, non_blocking=True)
+
+        padded_token_idx = padded_rows = None
+        if len(seg_lens) > 1 and len(seg_lens) * max_seg_len <= MAX_PADDED_ROWS_PER_TOKEN * len(sorted_token_idx):
+            padded_token_idx, padded_rows = _padded_layout(sorted_token_idx, seg_indptr, max_seg_len)
+            padded_token_idx, padded_rows = dev(padded_token_idx), dev(padded_rows)
+        return cls(
+            token_adapter_idx=dev(idx),
+            num_tokens=idx.shape[0],
+            has_lora=bool(seg_lens),
+            active_adapters=active.tolist(),
+            sorted_token_idx=dev(sorted_token_idx),
+            seg_starts=seg_indptr[:-1],
+            seg_ends=seg_indptr[1:],
+            max_seg_len=max_seg_len,
+            seg_indptr=dev(seg_indptr, torch.int32),
+            seg_adapter_idx=dev(active),
+            run_starts=_run_starts(idx, sorted_token_idx, seg_indptr),
+            padded_token_idx=padded_token_idx,
+            padded_rows=padded_rows,
+        )
+
+
+def _run_starts(idx: Tensor, sorted_token_idx: Tensor, seg_indptr: list[int]) -> list[int] | None:
+    """Each segment's first token when every row's tokens are one run of consecutive tokens; else None."""
+    changes = idx[1:] != idx[:-1]  # [T-1]
+    num_runs = int((changes & (idx[1:] >= 0)).sum()) + int(idx.numel() > 0 and idx[0] >= 0)
+    if num_runs != len(seg_indptr) - 1:
+        return None
+    return sorted_token_idx[seg_indptr[:-1]].tolist()
+
+
+def _padded_layout(sorted_token_idx: Tensor, seg_indptr: list[int], max_seg_len: int) -> tuple[Tensor, Tensor]:
+    """Segment a's tokens at rows a * max_seg_len + [0, seg_len), the rest repeating its last token."""
+    starts = torch.tensor(seg_indptr[:-1])  # [A]
+    lens = torch.tensor(seg_indptr[1:]) - starts  # [A]
+    within = torch.arange(max_seg_len)  # [M]
+    src = starts[:, None] + torch.minimum(within[None, :], lens[:, None] - 1)  # [A, M] positions in sorted order
+    seg_of = torch.repeat_interleave(torch.arange(len(lens)), lens)  # [L]
+    rows = seg_of * max_seg_len + torch.arange(len(seg_of)) - starts[seg_of]  # [L]
+    return sorted_token_idx[src.view(-1)], rows
+
+
+def check_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta) -> None:
+    """Shapes of a lora_shrink call, against each other and the meta (host-side only)."""
+    num_tokens, width = out.shape
+    if x.shape[0] != num_tokens or num_tokens != meta.num_tokens:
+        raise ValueError(f"out has {num_tokens} rows, x {x.shape[0]}, the meta {meta.num_tokens} tokens")
+    if lora_a.shape[1:] != (width, x.shape[1]):
+        raise ValueError(f"lora_a is {tuple(lora_a.shape)}, expected [N, {width}, {x.shape[1]}]")
+    _check_rows(lora_a, meta)
+
+
+def check_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_slices: tuple[int, ...]) -> None:
+    """Shapes of a lora_expand call, against each other and the meta (host-side only)."""
+    num_tokens, hidden_out = y.shape
+    if z.shape[0] != num_tokens or num_tokens != meta.num_tokens:
+        raise ValueError(f"y has {num_tokens} rows, z {z.shape[0]}, the meta {meta.num_tokens} tokens")
+    if sum(output_slices) != hidden_out or lora_b.shape[1] != hidden_out:
+        raise ValueError(f"output_slices {output_slices}, y {tuple(y.shape)} and lora_b {tuple(lora_b.shape)} differ")
+    if z.shape[1] != len(output_slices) * lora_b.shape[2]:
+        raise ValueError(f"z has {z.shape[1]} columns for {len(output_slices)} slices of rank {lora_b.shape[2]}")
+    _check_rows(lora_b, meta)
+
+
+def _check_rows(weights: Tensor, meta: LoraMeta) -> None:
+    if meta.active_adapters[-1] >= weights.shape[0]:
+        raise ValueError(f"adapter row {meta.active_adapters[-1]} is past the {weights.shape[0]} stacked rows")

@@ -1,0 +1,137 @@
+"""Batched multi-LoRA shrink and expand in torch: the reference for the Triton kernels and the fast path on CPU.
+
+Each op picks one of three layouts from the meta's host-side counts, never loops over tokens:
+- "runs": every adapter's tokens are one run of the batch (one adapter for all, or prefill seqs): one
+  matmul per active adapter on row ranges of x and y, no gather and no scatter;
+- "padded": many small segments (decode): the segments gathered into one [A, max_seg_len, .] batch, padded,
+  and one bmm against the active adapters' weights;
+- "sorted": otherwise: one gather into adapter order, one matmul per active adapter, one scatter back.
+On CPU a torch call costs ~10 us whatever its size, so small segments go to "padded" (a fixed handful of
+calls) and large ones to a per-adapter loop (no padding, no extra copies).
+"""
+
+import torch
+from torch import Tensor
+
+from .meta import LoraMeta, check_expand, check_shrink
+
+# "padded" while segments average fewer tokens than this: measured on 2 CPU threads, fp32, H ~ 512..4096.
+PADDED_MAX_MEAN_SEG_LEN = 48
+
+
+def choose_layout(meta: LoraMeta) -> str:
+    """ "runs" | "padded" | "sorted", from host-side counts only."""
+    if meta.padded_token_idx is not None and meta.num_lora_tokens < PADDED_MAX_MEAN_SEG_LEN * meta.num_active:
+        return "padded"
+    return "runs" if meta.run_starts is not None else "sorted"
+
+
+def lora_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta, scaling: Tensor | None) -> None:
+    """out[t] = scaling[i] * x[t] @ lora_a[i].T, i = token_adapter_idx[t]; rows with i == -1 untouched.
+    out: [T, S * R] · x: [T, H_in] · lora_a: [N, S * R, H_in] · scaling: [N] or None (= 1)"""
+    if not meta.has_lora:
+        return
+    check_shrink(out, x, lora_a, meta)
+    layout = choose_layout(meta)
+    if layout == "padded":
+        _shrink_padded(out, x, lora_a, meta, scaling)
+        return
+    alphas = [1.0] * lora_a.shape[0] if scaling is None else scaling.tolist()
+    rows = zip(meta.active_adapters, meta.seg_starts, meta.seg_ends, strict=True)
+    if layout == "runs":
+        for i, (adapter, start, end) in enumerate(rows):
+            run = slice(meta.run_starts[i], meta.run_starts[i] + end - start)
+            torch.addmm(out[run], x[run], lora_a[adapter].T, beta=0, alpha=alphas[adapter], out=out[run])
+        return
+    sorted_x = x.index_select(0, meta.sorted_token_idx)  # [L, H_in]
+    sorted_out = torch.empty(sorted_x.shape[0], out.shape[1], dtype=out.dtype, device=out.device)  # [L, S * R]
+    for adapter, start, end in rows:
+        seg = slice(start, end)
+        torch.addmm(
+            sorted_out[seg], sorted_x[seg], lora_a[adapter].T, beta=0, alpha=alphas[adapter], out=sorted_out[seg]
+        )
+    out.index_copy_(0, meta.sorted_token_idx, sorted_out)
+
+
+def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_slices: tuple[int, ...]) -> None:
+    """y[t, off_s:off_s + out_s] += z[t, s * R:(s + 1) * R] @ lora_b[i, off_s:off_s + out_s].T for each slice s,
+    i = token_adapter_idx[t], off_s = sum(output_slices[:s]); rows with i == -1 untouched.
+    y: [T, H_out] · z: [T, S * R] · lora_b: [N, H_out, R], H_out = sum(output_slices)"""
+    if not meta.has_lora:
+        return
+    check_expand(y, z, lora_b, meta, output_slices)
+    layout = choose_layout(meta)
+    if layout == "padded":
+        _expand_padded(y, z, lora_b, meta, output_slices)
+        return
+    rank, offsets = lora_b.shape[2], _offsets(output_slices)
+    rows = zip(meta.active_adapters, meta.seg_starts, meta.seg_ends, strict=True)
+    if layout == "runs":
+        for i, (adapter, start, end) in enumerate(rows):
+            run = slice(meta.run_starts[i], meta.run_starts[i] + end - start)
+            for s, (lo, hi) in enumerate(offsets):
+                y[run, lo:hi].addmm_(z[run, s * rank : (s + 1) * rank], lora_b[adapter, lo:hi].T)
+        return
+    sorted_z = z.index_select(0, meta.sorted_token_idx)  # [L, S * R]
+    delta = torch.empty(sorted_z.shape[0], y.shape[1], dtype=y.dtype, device=y.device)  # [L, H_out]
+    for adapter, start, end in rows:
+        for s, (lo, hi) in enumerate(offsets):
+            seg_delta = delta[start:end, lo:hi]
+            torch.mm(sorted_z[start:end, s * rank : (s + 1) * rank], lora_b[adapter, lo:hi].T, out=seg_delta)
+    y.index_add_(0, meta.sorted_token_idx, delta)
+
+
+def add_lora(
+    y: Tensor,
+    x: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    meta: LoraMeta,
+    scaling: Tensor | None,
+    output_slices: tuple[int, ...],
+    buffer: Tensor | None = None,
+) -> None:
+    """y[t] += scaling[i] * (x[t] @ lora_a[i].T) @ lora_b[i].T per slice: lora_shrink into buffer (z: [T, S * R],
+    allocated here when None), then lora_expand."""
+    if not meta.has_lora:
+        return
+    z = buffer if buffer is not None else x.new_empty(x.shape[0], lora_a.shape[1])  # [T, S * R]
+    lora_shrink(z, x, lora_a, meta, scaling)
+    lora_expand(y, z, lora_b, meta, output_slices)
+
+
+def _shrink_padded(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta, scaling: Tensor | None) -> None:
+    num_active, max_len = meta.num_active, meta.max_seg_len
+    padded_x = x.index_select(0, meta.padded_token_idx).view(num_active, max_len, x.shape[1])  # [A, M, H_in]
+    padded_out = torch.bmm(padded_x, _active_rows(lora_a, meta).transpose(1, 2))  # [A, M, S * R]
+    if scaling is not None:
+        padded_out.mul_(scaling.index_select(0, meta.seg_adapter_idx).to(out.dtype).view(num_active, 1, 1))
+    rows = padded_out.view(-1, out.shape[1]).index_select(0, meta.padded_rows)  # [L, S * R]
+    out.index_copy_(0, meta.sorted_token_idx, rows)
+
+
+def _expand_padded(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_slices: tuple[int, ...]) -> None:
+    num_active, max_len, rank = meta.num_active, meta.max_seg_len, lora_b.shape[2]
+    padded_z = z.index_select(0, meta.padded_token_idx).view(num_active, max_len, z.shape[1])  # [A, M, S * R]
+    b_t = _active_rows(lora_b, meta).transpose(1, 2)  # [A, R, H_out]
+    deltas = [
+        torch.bmm(padded_z[:, :, s * rank : (s + 1) * rank], b_t[:, :, lo:hi])  # [A, M, out_s]
+        for s, (lo, hi) in enumerate(_offsets(output_slices))
+    ]
+    delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=2)  # [A, M, H_out]
+    y.index_add_(0, meta.sorted_token_idx, delta.view(-1, y.shape[1]).index_select(0, meta.padded_rows))
+
+
+def _active_rows(weights: Tensor, meta: LoraMeta) -> Tensor:
+    """weights[active_adapters]: no copy when every row is active."""
+    if meta.num_active == weights.shape[0]:
+        return weights
+    return weights.index_select(0, meta.seg_adapter_idx)
+
+
+def _offsets(output_slices: tuple[int, ...]) -> list[tuple[int, int]]:
+    bounds, lo = [], 0
+    for size in output_slices:
+        bounds.append((lo, lo + size))
+        lo += size
+    return bounds

@@ -1,0 +1,180 @@
+"""Multi-LoRA in the engine: more adapters than device rows, cold loads off the critical path, adapter
+identity in the prefix cache, and bad adapters refused without harming anyone else."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import shutil
+import threading
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from adapters.lora_weights import AdapterError
+from adapters.ref import LoRARequest
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
+from tests.hf_models import make_model
+from tests.test_oracle import prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+NUM_ADAPTERS = 6
+
+
+def make_adapter(hf_model, directory, seed: int, r: int = 8) -> str:
+    torch.manual_seed(seed)
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", init_lora_weights=False)
+    get_peft_model(hf_model, config).save_pretrained(str(directory))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, tokenizer):
+    directory = tmp_path_factory.mktemp("lora-engine")
+    hf = make_model(directory / "base", tokenizer, "llama")
+    paths = [make_adapter(copy.deepcopy(hf), directory / f"a{i}", seed=i) for i in range(NUM_ADAPTERS)]
+    return directory / "base", [LoRARequest(f"a{i}", p) for i, p in enumerate(paths)], hf
+
+
+def make_llm(base, **options) -> LLM:
+    config = {"max_loras": 4, "max_lora_rank": 16, "num_kv_blocks": 512, **options}
+    return LLM(model=str(base), device="cpu", dtype="float32", enable_lora=True, **config)
+
+
+def assert_idle(llm: LLM) -> None:
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and llm.engine.adapter_cache.num_pinned == 0
+
+
+def test_more_adapters_than_rows_all_complete_unchanged_and_never_evict_a_pinned_row(model):
+    base, loras, _ = model
+    batch = prompts(256, 12, seed=4)
+    per_prompt = [loras[i % NUM_ADAPTERS] for i in range(len(batch))]
+    roomy = make_llm(base, max_loras=NUM_ADAPTERS)
+    expected = [o.outputs[0].token_ids for o in roomy.generate(batch, GREEDY, lora_request=per_prompt)]
+
+    tight = make_llm(base, max_loras=2, max_cpu_loras=3)
+    cache = tight.engine.adapter_cache
+    activate = cache._activate
+
+    def checked_activate(row, host):  # the invariant: a row is only overwritten when nobody pins it
+        assert cache._rows.pins[row] == 0, f"row {row} overwritten while pinned"
+        activate(row, host)
+
+    cache._activate = checked_activate
+    got = [o.outputs[0].token_ids for o in tight.generate(batch, GREEDY, lora_request=per_prompt)]
+    assert got == expected
+    assert cache.stats.device_evictions > 0 and cache.stats.host_evictions > 0
+    steps = tight.engine.stats.num_steps
+    assert steps <= len(batch) * (GREEDY.max_tokens + 2)  # bounded: rows rotate, nobody waits forever
+    adapter_of = {str(i): per_prompt[i].name for i in range(len(batch))}  # the LLM numbers requests 0, 1, ...
+    assert max(len({adapter_of[rid] for rid, _ in r.scheduled}) for r in tight.engine.step_trace) <= 2
+    assert_idle(tight)
+
+
+def test_two_versions_of_a_name_never_share_prefix_blocks(model, tmp_path, tokenizer):
+    base, loras, _ = model
+    llm = make_llm(base)
+    v1 = LoRARequest("support-bot", loras[0].path)
+    v2 = LoRARequest("support-bot", loras[1].path)  # same name, other weights: another digest
+    prompt = prompts(256, 16, seed=2)[13]  # 64 tokens
+    llm.generate([[*prompt, 5]], GREEDY, lora_request=v1)
+    [same] = llm.generate([[*prompt, 6]], GREEDY, lora_request=v1)
+    [other] = llm.generate([[*prompt, 6]], GREEDY, lora_request=v2)
+    assert same.num_cached_tokens == 64  # same adapter content: the prefix is reused
+    assert other.num_cached_tokens == 0  # new weights under the old name: never the old KV
+    cold = make_llm(base, enable_prefix_caching=False).generate([[*prompt, 6]], GREEDY, lora_request=v2)[0]
+    assert other.outputs[0].token_ids == cold.outputs[0].token_ids
+    digests = {llm.engine.adapter_cache.digest(v) for v in (v1, v2)}
+    assert len(digests) == 2
+
+
+def corrupt(kind: str, good: str, directory) -> str:
+    bad = directory / kind
+    shutil.copytree(good, bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    if kind == "rank-too-high":
+        return good  # checked with a lower max_lora_rank below
+    if kind == "dora":
+        config["use_dora"] = True
+    elif kind == "missing-weights":
+        (bad / "adapter_model.safetensors").unlink()
+    elif kind == "truncated":
+        data = (bad / "adapter_model.safetensors").read_bytes()
+        (bad / "adapter_model.safetensors").write_bytes(data[: len(data) // 3])
+    (bad / "adapter_config.json").write_text(json.dumps(config))
+    return str(bad)
+
+
+@pytest.mark.parametrize(
+    ("kind", "words"),
+    [
+        ("dora", "DoRA|dora"),
+        ("missing-weights", "adapter_model"),
+        ("truncated", "adapter_model"),
+        ("rank-too-high", "rank"),
+    ],
+)
+def test_bad_adapter_is_refused_clearly_and_others_keep_serving(model, tmp_path, kind, words):
+    base, loras, _ = model
+    llm = make_llm(base, max_lora_rank=4) if kind == "rank-too-high" else make_llm(base)
+    bad = LoRARequest(f"bad-{kind}", corrupt(kind, loras[0].path, tmp_path))
+    with pytest.raises(AdapterError, match=rf"bad-{kind}|{bad.path}") as info:
+        llm.generate([[5, 6, 7]], GREEDY, lora_request=bad)
+    assert any(w in str(info.value) for w in words.split("|"))
+    ok_lora = None if kind == "rank-too-high" else loras[1]
+    [ok] = llm.generate([[5, 6, 7]], GREEDY, lora_request=ok_lora)
+    assert len(ok.outputs[0].token_ids) == GREEDY.max_tokens
+    assert_idle(llm)
+
+
+def test_async_cold_adapter_loads_while_others_run_and_a_bad_one_fails_alone(model, tmp_path):
+    base, loras, _ = model
+    engine = AsyncEngine.from_config(
+        EngineConfig(model=str(base), device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=256)
+    )
+    cache = engine.engine.adapter_cache
+    gate = threading.Event()
+    read = cache._read
+
+    def slow_read(lora):
+        if lora.name == "slow":
+            assert gate.wait(30)
+        return read(lora)
+
+    cache._read = slow_read
+    slow = LoRARequest("slow", loras[2].path)
+    bad = LoRARequest("broken", str(tmp_path / "nowhere"))
+
+    async def run(request_id, lora, release_after=None):
+        tokens = []
+        async for delta in engine.generate(EngineRequest(request_id, [5, 6, 7, 8], GREEDY, lora=lora)):
+            tokens += delta.outputs[0].token_ids if delta.outputs else []
+            if release_after and len(tokens) >= release_after:
+                gate.set()
+        return tokens
+
+    async def main():
+        return await asyncio.gather(
+            run("slow", slow),
+            run("base", None, release_after=GREEDY.max_tokens),
+            run("bad", bad),
+            return_exceptions=True,
+        )
+
+    try:
+        slow_tokens, base_tokens, bad_result = asyncio.run(main())
+        trace = list(engine.engine.step_trace)
+    finally:
+        engine.shutdown()
+    assert isinstance(bad_result, AdapterError) and "broken" in str(bad_result)
+    assert len(base_tokens) == len(slow_tokens) == GREEDY.max_tokens
+    base_done = next(r.step for r in trace if "base" in r.finished)
+    slow_first = next(r.step for r in trace if "slow" in r.sampled)
+    assert base_done < slow_first  # the base request ran to the end while the adapter was still loading
