@@ -173,10 +173,6 @@ class AdapterCache:
             host = self._host.get(lora.key)
         return host.weights.digest if host else None
 
-    def forget_failure(self, lora: LoRARequest) -> None:
-        with self._lock:
-            self._failed.pop(lora.key, None)
-
     # ---- device rows (engine thread only) -----------------------------------------------------------
     def acquire(self, lora: LoRARequest) -> int | None:
         """Pins the adapter's device row and returns its adapter_idx; None while it is loading or every row
@@ -213,18 +209,13 @@ class AdapterCache:
 
     def _activate(self, row: int, host: HostAdapter) -> None:
         for (layer, name), (a, b) in host.rows.items():
-            self.lora_a[layer][name][row].copy_(a, non_blocking=True)
-            self.lora_b[layer][name][row].copy_(b, non_blocking=True)
+            self.lora_a[layer][name][row].copy_(a)  # synchronous: the host tier may drop `a` right after
+            self.lora_b[layer][name][row].copy_(b)
         self.stats.activations += 1
 
     def release(self, adapter_idx: int) -> None:
         assert self._rows.pins[adapter_idx] > 0, f"adapter row {adapter_idx} is not pinned"
         self._rows.pins[adapter_idx] -= 1
-
-    def can_acquire_without_eviction_block(self, lora: LoRARequest) -> bool:
-        """Whether acquire() could succeed now as far as rows go (resident, or a row is free or evictable)."""
-        rows = self._rows
-        return lora.key in rows.row_of or bool(rows.free) or any(rows.pins[r] == 0 for r in rows.row_of.values())
 
     @property
     def num_pinned(self) -> int:

@@ -118,3 +118,4 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._inbox.put(_STOP)
         self._thread.join(timeout=30)
+        self.engine.shutdown()

@@ -139,6 +139,10 @@ class LLMEngine:
             output.error = error
         return output
 
+    def shutdown(self) -> None:
+        if self.adapter_cache is not None:
+            self.adapter_cache.shutdown()
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
