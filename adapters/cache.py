@@ -168,15 +168,19 @@ class AdapterCache:
             with self._lock:
                 self._loading.pop(lora.key, None)
 
+    def is_resident(self, lora: LoRARequest) -> bool:
+        return lora.key in self._rows.row_of
+
     def digest(self, lora: LoRARequest) -> str | None:
+        """The content digest once the adapter is in host memory, else None."""
         with self._lock:
             host = self._host.get(lora.key)
         return host.weights.digest if host else None
 
     # ---- device rows (engine thread only) -----------------------------------------------------------
     def acquire(self, lora: LoRARequest) -> int | None:
-        """Pins the adapter's device row and returns its adapter_idx; None while it is loading or every row
-        is pinned by running sequences. Raises the AdapterError of a failed load."""
+        """Pins the adapter's device row and returns its adapter_idx; None while it is not in host memory yet
+        (see `prefetch`) or every row is pinned by running sequences. Raises the AdapterError of a failed load."""
         rows = self._rows
         row = rows.row_of.get(lora.key)
         if row is None:
@@ -186,7 +190,6 @@ class AdapterCache:
             if failure is not None:
                 raise failure
             if host is None:
-                self.prefetch(lora)
                 return None
             row = self._free_row()
             if row is None:

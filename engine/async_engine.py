@@ -22,6 +22,7 @@ from engine.request import EngineRequest
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+IDLE_POLL_S = 0.002
 
 
 class AsyncEngine:
@@ -40,11 +41,15 @@ class AsyncEngine:
 
     # ---- the engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
+        idle = False  # the last step had nothing to run (say, every waiting request's adapter is loading)
         while True:
-            block = not self.engine.has_unfinished
             try:
                 while True:
-                    item = self._inbox.get(block=block)
+                    if not self.engine.has_unfinished:
+                        item = self._inbox.get()
+                    else:
+                        item = self._inbox.get(timeout=IDLE_POLL_S) if idle else self._inbox.get_nowait()
+                    idle = False
                     if item is _STOP:
                         return
                     fn, future = item
@@ -52,7 +57,6 @@ class AsyncEngine:
                         future.set_result(fn())
                     except Exception as e:  # a bad request fails alone
                         future.set_exception(e)
-                    block = not self.engine.has_unfinished
             except queue.Empty:
                 pass
             try:
@@ -61,6 +65,7 @@ class AsyncEngine:
                 logger.exception("engine step failed; failing every running request")
                 self._fail_all(e)
                 continue
+            idle = not self.engine.last_step_ran
             for out in outputs:
                 self._deliver(out)
 

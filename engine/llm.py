@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 
+IDLE_POLL_S = 0.002
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}
 
 
@@ -63,7 +65,10 @@ class LLM:
         results = {r.request_id: self._empty_output(r) for r in requests}
         with tqdm(total=len(requests), desc="generating", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished:
-                for delta in self.engine.step():
+                deltas = self.engine.step()
+                if not self.engine.last_step_ran:
+                    time.sleep(IDLE_POLL_S)  # only adapters loading in the background: let the loader run
+                for delta in deltas:
                     _accumulate(results[delta.request_id], delta)
                     bar.update(delta.finished)
         return [results[r.request_id] for r in requests]

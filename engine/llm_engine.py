@@ -67,6 +67,7 @@ class LLMEngine:
         self.groups: dict[str, SequenceGroup] = {}
         self.stats = EngineStats()
         self.step_trace: deque[StepRecord] = deque(maxlen=10_000)
+        self.last_step_ran = False  # whether the last step() had anything to compute
         self._arrivals = 0
         torch.manual_seed(config.seed)
 
@@ -87,8 +88,6 @@ class LLMEngine:
         self._arrivals += 1
         seq = self._new_seq(group, 0, list(request.prompt_token_ids))
         self.groups[request.request_id] = group
-        if request.lora is not None:
-            self.adapter_cache.prefetch(request.lora)  # read from disk off the step's critical path
         self.scheduler.add(seq)
 
     def validate(self, request: EngineRequest) -> None:
@@ -153,6 +152,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         failed = [self._fail(seq.group, error) for seq, error in self.scheduler.failed]
         self.scheduler.failed.clear()
+        self.last_step_ran = not batch.is_empty
         if batch.is_empty:
             return [f for f in failed if f is not None]
         sampling_seqs = batch.sampling_seqs()

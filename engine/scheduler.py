@@ -109,6 +109,8 @@ class Scheduler:
             budget -= num_new
         if not preempted:
             budget = self._admit(budget, picked)
+        if self.adapter_cache is not None:
+            self._prefetch_adapters()
         return self._batch(picked, [c for cp in copies.values() for c in cp], preempted)
 
     def _admit(self, budget: int, picked: dict[int, int]) -> int:
@@ -144,6 +146,20 @@ class Scheduler:
             picked[seq.seq_id] = num_new
             budget -= num_new
         return budget
+
+    def _prefetch_adapters(self) -> None:
+        """Starts loading the adapters the queue will want next, oldest first, but only as many as host
+        memory holds beside the device rows, so a prefetched adapter is not evicted before its turn."""
+        cache, wanted = self.adapter_cache, set()
+        window = max(1, cache.max_cpu_loras - cache.max_loras)
+        for seq in self.waiting:
+            lora = seq.group.lora
+            if lora is None or lora.key in wanted or cache.is_resident(lora):
+                continue
+            wanted.add(lora.key)
+            cache.prefetch(lora)
+            if len(wanted) >= window:
+                break
 
     def _acquire_adapter(self, seq: Sequence) -> str:
         """Pins the seq's adapter row: "ok", "loading", "no_row" (every row pinned) or "failed"."""

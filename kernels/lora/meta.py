@@ -36,14 +36,11 @@ class LoraMeta:
     padded_token_idx: Tensor | None  # [A * max_seg_len] int64: segments padded to max_seg_len by repeating a
     # token of theirs; None: padding would more than double the rows, or one segment
     padded_rows: Tensor | None  # [L] int64: row of sorted token j in the padded layout
+    padded_is_pad: Tensor | None  # [A * max_seg_len, 1] bool: True on the padding rows
 
     @property
     def num_active(self) -> int:
         return len(self.active_adapters)
-
-    @property
-    def num_lora_tokens(self) -> int:
-        return self.seg_ends[-1] if self.seg_ends else 0
 
     @classmethod
     def build(cls, token_adapter_idx: list[int] | Tensor, device: torch.device | str) -> "LoraMeta":
@@ -61,10 +58,10 @@ class LoraMeta:
         def dev(x: list[int] | Tensor, dtype: torch.dtype = torch.int64) -> Tensor:
             return torch.as_tensor(x, dtype=dtype).to(device=device, non_blocking=True)
 
-        padded_token_idx = padded_rows = None
+        padded_token_idx = padded_rows = padded_is_pad = None
         if len(seg_lens) > 1 and len(seg_lens) * max_seg_len <= MAX_PADDED_ROWS_PER_TOKEN * len(sorted_token_idx):
-            padded_token_idx, padded_rows = _padded_layout(sorted_token_idx, seg_indptr, max_seg_len)
-            padded_token_idx, padded_rows = dev(padded_token_idx), dev(padded_rows)
+            padded = _padded_layout(sorted_token_idx, seg_indptr, max_seg_len)
+            padded_token_idx, padded_rows, padded_is_pad = dev(padded[0]), dev(padded[1]), dev(padded[2], torch.bool)
         return cls(
             token_adapter_idx=dev(idx),
             num_tokens=idx.shape[0],
@@ -79,6 +76,7 @@ class LoraMeta:
             run_starts=_run_starts(idx, sorted_token_idx, seg_indptr),
             padded_token_idx=padded_token_idx,
             padded_rows=padded_rows,
+            padded_is_pad=padded_is_pad,
         )
 
 
@@ -91,15 +89,15 @@ def _run_starts(idx: Tensor, sorted_token_idx: Tensor, seg_indptr: list[int]) ->
     return sorted_token_idx[seg_indptr[:-1]].tolist()
 
 
-def _padded_layout(sorted_token_idx: Tensor, seg_indptr: list[int], max_seg_len: int) -> tuple[Tensor, Tensor]:
-    """Segment a's tokens at rows a * max_seg_len + [0, seg_len), the rest repeating its last token."""
+def _padded_layout(sorted_token_idx: Tensor, seg_indptr: list[int], max_seg_len: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Segment a's tokens at rows a * max_seg_len + [0, seg_len), the rest repeating its last token:
+    (padded_token_idx [A * M], padded_rows [L], padded_is_pad [A * M, 1])."""
     starts = torch.tensor(seg_indptr[:-1])  # [A]
     lens = torch.tensor(seg_indptr[1:]) - starts  # [A]
     within = torch.arange(max_seg_len)  # [M]
     src = starts[:, None] + torch.minimum(within[None, :], lens[:, None] - 1)  # [A, M] positions in sorted order
-    seg_of = torch.repeat_interleave(torch.arange(len(lens)), lens)  # [L]
-    rows = seg_of * max_seg_len + torch.arange(len(seg_of)) - starts[seg_of]  # [L]
-    return sorted_token_idx[src.view(-1)], rows
+    is_token = (within[None, :] < lens[:, None]).view(-1)  # [A * M]
+    return sorted_token_idx[src.view(-1)], is_token.nonzero().squeeze(1), ~is_token[:, None]
 
 
 def check_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta) -> None:

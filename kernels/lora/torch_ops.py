@@ -15,14 +15,19 @@ from torch import Tensor
 
 from .meta import LoraMeta, check_expand, check_shrink
 
-# "padded" while segments average fewer tokens than this: measured on 2 CPU threads, fp32, H ~ 512..4096.
-PADDED_MAX_MEAN_SEG_LEN = 48
+# On 2 CPU threads a torch call costs about as much as writing this many floats to padded temporaries
+# (allocation and page faults included): "padded" wins while it writes fewer per call it saves (measured, fp32).
+FLOATS_PER_CALL = 1 << 16
 
 
-def choose_layout(meta: LoraMeta) -> str:
-    """ "runs" | "padded" | "sorted", from host-side counts only."""
-    if meta.padded_token_idx is not None and meta.num_lora_tokens < PADDED_MAX_MEAN_SEG_LEN * meta.num_active:
-        return "padded"
+def choose_layout(meta: LoraMeta, padded_floats_per_row: int, calls_per_adapter: int) -> str:
+    """The layout of one op, "runs" | "padded" | "sorted", from host-side counts: "padded" writes
+    max_seg_len * padded_floats_per_row floats per active adapter where a loop makes calls_per_adapter calls
+    (twice that with the gather and scatter of "sorted")."""
+    if meta.padded_token_idx is not None:
+        calls_saved = calls_per_adapter * (1 if meta.run_starts is not None else 2)
+        if meta.max_seg_len * padded_floats_per_row <= FLOATS_PER_CALL * calls_saved:
+            return "padded"
     return "runs" if meta.run_starts is not None else "sorted"
 
 
@@ -32,7 +37,7 @@ def lora_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta, scaling:
     if not meta.has_lora:
         return
     check_shrink(out, x, lora_a, meta)
-    layout = choose_layout(meta)
+    layout = choose_layout(meta, x.shape[1], 1)
     if layout == "padded":
         _shrink_padded(out, x, lora_a, meta, scaling)
         return
@@ -60,7 +65,8 @@ def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_sli
     if not meta.has_lora:
         return
     check_expand(y, z, lora_b, meta, output_slices)
-    layout = choose_layout(meta)
+    num_slices = len(output_slices)
+    layout = choose_layout(meta, y.shape[1] * (2 if num_slices > 1 else 1), num_slices)  # the deltas, and their cat
     if layout == "padded":
         _expand_padded(y, z, lora_b, meta, output_slices)
         return
@@ -105,21 +111,23 @@ def _shrink_padded(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta, scali
     padded_x = x.index_select(0, meta.padded_token_idx).view(num_active, max_len, x.shape[1])  # [A, M, H_in]
     padded_out = torch.bmm(padded_x, _active_rows(lora_a, meta).transpose(1, 2))  # [A, M, S * R]
     if scaling is not None:
-        padded_out.mul_(scaling.index_select(0, meta.seg_adapter_idx).to(out.dtype).view(num_active, 1, 1))
+        padded_out.mul_(scaling.index_select(0, meta.seg_adapter_idx).view(num_active, 1, 1))
     rows = padded_out.view(-1, out.shape[1]).index_select(0, meta.padded_rows)  # [L, S * R]
     out.index_copy_(0, meta.sorted_token_idx, rows)
 
 
 def _expand_padded(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_slices: tuple[int, ...]) -> None:
     num_active, max_len, rank = meta.num_active, meta.max_seg_len, lora_b.shape[2]
-    padded_z = z.index_select(0, meta.padded_token_idx).view(num_active, max_len, z.shape[1])  # [A, M, S * R]
+    padded_z = z.index_select(0, meta.padded_token_idx).masked_fill_(meta.padded_is_pad, 0)  # [A * M, S * R]
+    padded_z = padded_z.view(num_active, max_len, z.shape[1])
     b_t = _active_rows(lora_b, meta).transpose(1, 2)  # [A, R, H_out]
     deltas = [
         torch.bmm(padded_z[:, :, s * rank : (s + 1) * rank], b_t[:, :, lo:hi])  # [A, M, out_s]
         for s, (lo, hi) in enumerate(_offsets(output_slices))
     ]
     delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=2)  # [A, M, H_out]
-    y.index_add_(0, meta.sorted_token_idx, delta.view(-1, y.shape[1]).index_select(0, meta.padded_rows))
+    # Pad rows add an exact 0 to a token of their own segment: no [L, H_out] gather of the real rows needed.
+    y.index_add_(0, meta.padded_token_idx, delta.view(-1, y.shape[1]))
 
 
 def _active_rows(weights: Tensor, meta: LoraMeta) -> Tensor:

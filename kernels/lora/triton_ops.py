@@ -1,0 +1,177 @@
+"""Batched multi-LoRA shrink and expand in Triton: SGMV over the meta's adapter segments.
+
+Same signatures and semantics as torch_ops. A program owns (segment, tile of BLOCK_M of its tokens, tile of
+output columns): it reads the segment's adapter row once, gathers its tokens through sorted_token_idx, and
+accumulates tl.dot products in fp32; a decode batch is many one-token segments, so BLOCK_M follows max_seg_len.
+The expand's third grid axis walks (slice, column tile), so a packed layer is one launch whatever its slices.
+Ranks and hidden sizes need not be powers of two: every load is masked and the rank is padded to 16 in
+registers (tl.dot needs every dimension >= 16). Imported only when the "triton" backend is chosen.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .meta import LoraMeta, check_expand, check_shrink
+
+MIN_DOT = 16  # tl.dot needs every dimension >= 16
+MAX_BLOCK_M = 64  # tokens per program
+SHRINK_BLOCK_N = 64  # output columns (of S * R) per shrink program
+SHRINK_BLOCK_K = 64  # H_in per step
+EXPAND_BLOCK_N = 64  # output columns (of one slice) per expand program
+MAX_EXPAND_BLOCK_K = 64  # rank per step
+
+
+def lora_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta, scaling: Tensor | None) -> None:
+    """out[t] = scaling[i] * x[t] @ lora_a[i].T, i = token_adapter_idx[t]; rows with i == -1 untouched.
+    out: [T, S * R] · x: [T, H_in] · lora_a: [N, S * R, H_in] · scaling: [N] or None (= 1)"""
+    if not meta.has_lora:
+        return
+    check_shrink(out, x, lora_a, meta)
+    _check_dtypes(x, lora_a)
+    width = out.shape[1]
+    block_n = max(MIN_DOT, min(SHRINK_BLOCK_N, triton.next_power_of_2(width)))
+    block_m = _block_m(meta)
+    grid = (meta.num_active, triton.cdiv(meta.max_seg_len, block_m), triton.cdiv(width, block_n))
+    _shrink_kernel[grid](
+        out, x, lora_a, x if scaling is None else scaling,
+        meta.sorted_token_idx, meta.seg_indptr, meta.seg_adapter_idx, x.shape[1], width,
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        scaling is not None, block_m, block_n, SHRINK_BLOCK_K, _precision(x),
+    )  # fmt: skip
+
+
+def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_slices: tuple[int, ...]) -> None:
+    """y[t, off_s:off_s + out_s] += z[t, s * R:(s + 1) * R] @ lora_b[i, off_s:off_s + out_s].T for each slice s,
+    i = token_adapter_idx[t], off_s = sum(output_slices[:s]); rows with i == -1 untouched.
+    y: [T, H_out] · z: [T, S * R] · lora_b: [N, H_out, R], H_out = sum(output_slices)"""
+    if not meta.has_lora:
+        return
+    check_expand(y, z, lora_b, meta, output_slices)
+    _check_dtypes(z, lora_b)
+    rank = lora_b.shape[2]
+    block_k = max(MIN_DOT, min(MAX_EXPAND_BLOCK_K, triton.next_power_of_2(rank)))
+    block_m = _block_m(meta)
+    col_tiles = triton.cdiv(max(output_slices), EXPAND_BLOCK_N)
+    grid = (meta.num_active, triton.cdiv(meta.max_seg_len, block_m), len(output_slices) * col_tiles)
+    _expand_kernel[grid](
+        y, z, lora_b, meta.sorted_token_idx, meta.seg_indptr, meta.seg_adapter_idx,
+        _slice_bounds(output_slices, y.device), rank, col_tiles,
+        y.stride(0), y.stride(1), z.stride(0), z.stride(1), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
+        block_m, EXPAND_BLOCK_N, block_k, _precision(z),
+    )  # fmt: skip
+
+
+def add_lora(
+    y: Tensor,
+    x: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    meta: LoraMeta,
+    scaling: Tensor | None,
+    output_slices: tuple[int, ...],
+    buffer: Tensor | None = None,
+) -> None:
+    """y[t] += scaling[i] * (x[t] @ lora_a[i].T) @ lora_b[i].T per slice: lora_shrink into buffer (z: [T, S * R],
+    allocated here when None), then lora_expand."""
+    if not meta.has_lora:
+        return
+    z = buffer if buffer is not None else x.new_empty(x.shape[0], lora_a.shape[1])  # [T, S * R]
+    lora_shrink(z, x, lora_a, meta, scaling)
+    lora_expand(y, z, lora_b, meta, output_slices)
+
+
+def _block_m(meta: LoraMeta) -> int:
+    return max(MIN_DOT, min(MAX_BLOCK_M, triton.next_power_of_2(meta.max_seg_len)))
+
+
+def _precision(x: Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for fp16 / bf16 operands
+
+
+def _check_dtypes(activations: Tensor, weights: Tensor) -> None:
+    if activations.dtype != weights.dtype:
+        raise ValueError(f"tl.dot needs one dtype: activations are {activations.dtype}, weights {weights.dtype}")
+
+
+@functools.cache
+def _slice_bounds(output_slices: tuple[int, ...], device: torch.device) -> Tensor:
+    """[S+1] int32 on device: slice s is columns [bounds[s], bounds[s+1]) of y; one small tensor per layer shape."""
+    bounds = [0]
+    for size in output_slices:
+        bounds.append(bounds[-1] + size)
+    return torch.tensor(bounds, dtype=torch.int32, device=device)
+
+
+@triton.jit
+def _shrink_kernel(
+    out_ptr, x_ptr, lora_a_ptr, scaling_ptr, sorted_token_idx_ptr, seg_indptr_ptr, seg_adapter_idx_ptr,
+    hidden_in, width,
+    stride_xt, stride_xh, stride_ot, stride_ow, stride_an, stride_aw, stride_ah,
+    HAS_SCALING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Program (segment, row tile, column tile): out[tokens, cols] for BLOCK_M of the segment's tokens."""
+    seg, tile_m, tile_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seg_start = tl.load(seg_indptr_ptr + seg)
+    seg_len = tl.load(seg_indptr_ptr + seg + 1) - seg_start
+    if tile_m * BLOCK_M < seg_len:
+        adapter = tl.load(seg_adapter_idx_ptr + seg).to(tl.int64)
+        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_valid = rows < seg_len
+        tokens = tl.load(sorted_token_idx_ptr + seg_start + rows, mask=row_valid, other=0).to(tl.int64)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_valid = cols < width
+        a_rows = lora_a_ptr + adapter * stride_an + cols[:, None] * stride_aw  # [BLOCK_N, 1]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k_start in range(0, hidden_in, BLOCK_K):
+            ks = k_start + tl.arange(0, BLOCK_K)
+            k_valid = ks < hidden_in
+            x_offs = tokens[:, None] * stride_xt + ks[None, :] * stride_xh  # [BLOCK_M, BLOCK_K]
+            x = tl.load(x_ptr + x_offs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            a = tl.load(a_rows + ks[None, :] * stride_ah, mask=col_valid[:, None] & k_valid[None, :], other=0.0)
+            acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)
+        if HAS_SCALING:
+            acc *= tl.load(scaling_ptr + adapter).to(tl.float32)
+        out_offs = tokens[:, None] * stride_ot + cols[None, :] * stride_ow
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
+
+
+@triton.jit
+def _expand_kernel(
+    y_ptr, z_ptr, lora_b_ptr, sorted_token_idx_ptr, seg_indptr_ptr, seg_adapter_idx_ptr, slice_bounds_ptr,
+    rank, col_tiles,
+    stride_yt, stride_yh, stride_zt, stride_zw, stride_bn, stride_bh, stride_br,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Program (segment, row tile, slice * col_tiles + column tile): y[tokens, cols] += z-slice @ lora_b-slice.T."""
+    seg, tile_m, slice_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s, tile_n = slice_tile // col_tiles, slice_tile % col_tiles
+    seg_start = tl.load(seg_indptr_ptr + seg)
+    seg_len = tl.load(seg_indptr_ptr + seg + 1) - seg_start
+    col_start = tl.load(slice_bounds_ptr + s)
+    slice_width = tl.load(slice_bounds_ptr + s + 1) - col_start
+    if (tile_m * BLOCK_M < seg_len) & (tile_n * BLOCK_N < slice_width):
+        adapter = tl.load(seg_adapter_idx_ptr + seg).to(tl.int64)
+        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_valid = rows < seg_len
+        tokens = tl.load(sorted_token_idx_ptr + seg_start + rows, mask=row_valid, other=0).to(tl.int64)
+        in_slice = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_valid = in_slice < slice_width
+        cols = col_start + in_slice
+        b_rows = lora_b_ptr + adapter * stride_bn + cols[:, None] * stride_bh  # [BLOCK_N, 1]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k_start in range(0, rank, BLOCK_K):
+            ks = k_start + tl.arange(0, BLOCK_K)
+            k_valid = ks < rank
+            z_offs = tokens[:, None] * stride_zt + (s * rank + ks)[None, :] * stride_zw  # [BLOCK_M, BLOCK_K]
+            z = tl.load(z_ptr + z_offs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            b = tl.load(b_rows + ks[None, :] * stride_br, mask=col_valid[:, None] & k_valid[None, :], other=0.0)
+            acc += tl.dot(z, tl.trans(b), input_precision=DOT_PRECISION)
+        y_offs = tokens[:, None] * stride_yt + cols[None, :] * stride_yh
+        mask = row_valid[:, None] & col_valid[None, :]
+        y = tl.load(y_ptr + y_offs, mask=mask, other=0.0)
+        tl.store(y_ptr + y_offs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,336 @@
+"""Batched LoRA: torch ops vs a naive per-token fp32 loop; Triton ops (interpreted on CPU) vs torch."""
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import Tensor
+
+from kernels.lora import LoraMeta, add_lora, get_lora_ops
+from kernels.lora import torch_ops as torch_module
+
+torch_ops = get_lora_ops("torch")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+LAYERS = {  # (H_in, output_slices): odd sizes, and packed layers
+    "dense": (72, (136,)),
+    "qkv": (100, (40, 24, 24)),
+    "gate_up": (72, (52, 52)),
+}
+POPULARITY = ["distinct", "uniform", "skewed", "identical", "segments"]
+
+
+@dataclass
+class Case:
+    x: Tensor  # [T, H_in], NaN on rows without an adapter: nothing may read them
+    lora_a: Tensor  # [N, S * R, H_in]
+    lora_b: Tensor  # [N, H_out, R]
+    scaling: Tensor  # [N]
+    output_slices: tuple[int, ...]
+    token_adapter_idx: list[int]
+    meta: LoraMeta
+    out: Tensor  # [T, S * R] random: shrink must leave the rows without an adapter as they are
+    y: Tensor  # [T, H_out] random: the base output
+    expected_z: Tensor  # [T, S * R] naive shrink; NaN on rows without an adapter (the expand's input)
+    expected_y: Tensor  # [T, H_out] y + naive expand
+
+    @property
+    def has_adapter(self) -> Tensor:
+        return torch.tensor(self.token_adapter_idx) >= 0
+
+
+def naive_lora(x, lora_a, lora_b, scaling, token_adapter_idx, output_slices) -> tuple[Tensor, Tensor]:
+    """Token by token in fp32: (z [T, S * R], NaN rows for -1; delta [T, H_out], zero rows for -1)."""
+    rank = lora_b.shape[2]
+    z = torch.full((x.shape[0], lora_a.shape[1]), float("nan"))
+    delta = torch.zeros(x.shape[0], lora_b.shape[1])
+    for t, i in enumerate(token_adapter_idx):
+        if i < 0:
+            continue
+        z[t] = scaling[i].float() * (lora_a[i].float() @ x[t].float())
+        offset = 0
+        for s, size in enumerate(output_slices):
+            delta[t, offset : offset + size] = (
+                lora_b[i, offset : offset + size].float() @ z[t, s * rank : (s + 1) * rank]
+            )
+            offset += size
+    return z, delta
+
+
+def assign_adapters(num_tokens, num_adapters, popularity, with_pads, gen) -> list[int]:
+    """Adapter rows per token; with_pads: some tokens use no adapter (-1)."""
+    if popularity == "distinct":  # every adapter in turn: as many distinct ones as the batch holds
+        idx = torch.arange(num_tokens) % num_adapters
+    elif popularity == "uniform":
+        idx = torch.randint(0, num_adapters, (num_tokens,), generator=gen)
+    elif popularity == "skewed":  # zipf-like, the hot row not row 0
+        weights = torch.arange(1, num_adapters + 1).float() ** -1.5
+        idx = (torch.multinomial(weights, num_tokens, replacement=True, generator=gen) + 1) % num_adapters
+    elif popularity == "identical":
+        idx = torch.full((num_tokens,), num_adapters - 1)
+    else:  # "segments": prefill-like runs, base-model tokens (-1) one run of their own
+        low = -1 if with_pads else 0
+        return torch.randint(low, num_adapters, (num_tokens,), generator=gen).sort().values.tolist()
+    if with_pads:
+        idx[3::4] = -1
+    return idx.tolist()
+
+
+def make_case(
+    num_tokens, num_adapters, rank, popularity, layer, with_pads=True, dtype=torch.float32, seed=0, device="cpu"
+) -> Case:
+    gen = torch.Generator().manual_seed(seed)
+    hidden_in, output_slices = LAYERS[layer]
+    width, hidden_out = len(output_slices) * rank, sum(output_slices)
+    token_adapter_idx = assign_adapters(num_tokens, num_adapters, popularity, with_pads, gen)
+    has_adapter = torch.tensor(token_adapter_idx) >= 0
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    x = randn(num_tokens, hidden_in).masked_fill(~has_adapter[:, None], float("nan"))
+    lora_a = randn(num_adapters, width, hidden_in, scale=hidden_in**-0.5)
+    lora_b = randn(num_adapters, hidden_out, rank, scale=rank**-0.5)
+    scaling = torch.rand(num_adapters, generator=gen) + 0.5
+    out, y = randn(num_tokens, width), randn(num_tokens, hidden_out)
+    z, delta = naive_lora(x, lora_a, lora_b, scaling, token_adapter_idx, output_slices)
+    tensors = [t.to(device) for t in (x, lora_a, lora_b, scaling, out, y, z, y.float() + delta)]
+    meta = LoraMeta.build(token_adapter_idx, device)
+    return Case(*tensors[:4], output_slices, token_adapter_idx, meta, *tensors[4:])
+
+
+def assert_rows(actual, expected, has_adapter, tol=1e-5):
+    """Close on the rows with an adapter; bit for bit what was there on the others."""
+    has_adapter = has_adapter.to(actual.device)
+    torch.testing.assert_close(actual[has_adapter].float(), expected[has_adapter].float(), rtol=tol, atol=tol)
+    assert torch.equal(actual[~has_adapter], expected[~has_adapter].to(actual.dtype)), "a -1 row was touched"
+
+
+def expected_out(case: Case) -> Tensor:
+    return torch.where(case.has_adapter[:, None].to(case.out.device), case.expected_z.to(case.out.dtype), case.out)
+
+
+def check_ops(ops, case: Case, tol=1e-5) -> None:
+    """lora_shrink, lora_expand and add_lora of one backend against the naive reference."""
+    out = case.out.clone()
+    ops.lora_shrink(out, case.x, case.lora_a, case.meta, case.scaling)
+    assert_rows(out, expected_out(case), case.has_adapter, tol)
+    y = case.y.clone()
+    ops.lora_expand(y, case.expected_z.to(case.y.dtype), case.lora_b, case.meta, case.output_slices)
+    assert_rows(y, case.expected_y, case.has_adapter, tol)
+    y = case.y.clone()
+    ops.add_lora(y, case.x, case.lora_a, case.lora_b, case.meta, case.scaling, case.output_slices)
+    assert_rows(y, case.expected_y, case.has_adapter, tol)
+
+
+@pytest.mark.parametrize("with_pads", [False, True], ids=["all_lora", "with_pads"])
+@pytest.mark.parametrize("layer", ["dense", "qkv"])
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("rank", [4, 8, 16, 64])
+@pytest.mark.parametrize("num_adapters", [1, 3, 8])
+@pytest.mark.parametrize("num_tokens", [1, 7, 64])
+def test_torch_ops_match_naive_reference(num_tokens, num_adapters, rank, popularity, layer, with_pads):
+    check_ops(torch_ops, make_case(num_tokens, num_adapters, rank, popularity, layer, with_pads))
+
+
+def available_layouts(meta: LoraMeta) -> list[str]:
+    return ["sorted"] + ["runs"] * (meta.run_starts is not None) + ["padded"] * (meta.padded_rows is not None)
+
+
+@pytest.mark.parametrize("with_pads", [False, True], ids=["all_lora", "with_pads"])
+@pytest.mark.parametrize(
+    ("num_tokens", "num_adapters", "popularity", "layer", "layouts"),
+    [
+        (64, 8, "distinct", "qkv", {"sorted", "padded"}),
+        (64, 8, "skewed", "gate_up", {"sorted"}),
+        (40, 3, "segments", "qkv", {"sorted", "runs", "padded"}),
+        (9, 3, "uniform", "dense", {"sorted", "padded"}),
+    ],
+)
+def test_every_torch_layout_matches_naive_reference(
+    num_tokens, num_adapters, popularity, layer, layouts, with_pads, monkeypatch
+):
+    case = make_case(num_tokens, num_adapters, 8, popularity, layer, with_pads, seed=1)
+    assert set(available_layouts(case.meta)) == layouts
+    for layout in layouts:
+        monkeypatch.setattr(torch_module, "choose_layout", lambda *args, layout=layout: layout)
+        check_ops(torch_ops, case)
+
+
+def test_torch_layout_choice():
+    decode = make_case(64, 8, 8, "uniform", "qkv").meta
+    assert torch_module.choose_layout(decode, 512, 1) == "padded"
+    prefill = LoraMeta.build([i // 128 for i in range(2048)], "cpu")  # 16 seqs of 128 tokens
+    assert torch_module.choose_layout(prefill, 4096, 1) == "runs"
+    mixed = LoraMeta.build([i % 4 for i in range(2048)], "cpu")  # interleaved, 512 tokens each
+    assert torch_module.choose_layout(mixed, 4096, 1) == "sorted"
+    one = LoraMeta.build([2] * 64, "cpu")
+    assert one.padded_rows is None and torch_module.choose_layout(one, 512, 1) == "runs"
+
+
+def test_meta_groups_tokens_by_adapter():
+    meta = LoraMeta.build([2, -1, 0, 2, 0, 5], "cpu")
+    assert meta.has_lora and meta.num_tokens == 6 and meta.active_adapters == [0, 2, 5]
+    assert meta.sorted_token_idx.tolist() == [2, 4, 0, 3, 5]
+    assert (meta.seg_starts, meta.seg_ends, meta.max_seg_len) == ([0, 2, 4], [2, 4, 5], 2)
+    assert meta.seg_indptr.tolist() == [0, 2, 4, 5] and meta.seg_indptr.dtype == torch.int32
+    assert meta.seg_adapter_idx.tolist() == [0, 2, 5] and meta.run_starts is None
+    assert meta.padded_token_idx.tolist() == [2, 4, 0, 3, 5, 5]
+    assert meta.padded_rows.tolist() == [0, 1, 2, 3, 4] and meta.padded_is_pad.flatten().tolist()[-1]
+    runs = LoraMeta.build(torch.tensor([-1, 3, 3, 1, 1, 1, -1]), "cpu")
+    assert runs.active_adapters == [1, 3] and runs.run_starts == [3, 1]
+    assert LoraMeta.build([4] * 5, "cpu").run_starts == [0]
+    assert LoraMeta.build([1, 1, 0, 1], "cpu").run_starts is None
+    for no_lora in ([-1, -1, -1], []):
+        meta = LoraMeta.build(no_lora, "cpu")
+        assert not meta.has_lora and meta.active_adapters == [] and meta.sorted_token_idx.numel() == 0
+    with pytest.raises(ValueError, match="-1 for no adapter"):
+        LoraMeta.build([0, -2], "cpu")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_no_adapter_in_the_batch_does_nothing(backend):
+    ops = get_lora_ops(backend)
+    case = make_case(7, 3, 8, "uniform", "qkv")
+    meta = LoraMeta.build([-1] * 7, "cpu")
+    out, y = case.out.clone(), case.y.clone()
+    ops.lora_shrink(out, case.x, case.lora_a, meta, case.scaling)
+    ops.lora_expand(y, case.expected_z, case.lora_b, meta, case.output_slices)
+    ops.add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.scaling, case.output_slices)
+    assert torch.equal(out, case.out) and torch.equal(y, case.y)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rows_without_adapter_untouched(backend):
+    """NaN inputs on the -1 rows must neither be written nor leak into other rows."""
+    ops = get_lora_ops(backend)
+    case = make_case(9, 3, 8, "uniform", "qkv")
+    idx = case.token_adapter_idx
+    assert -1 in idx and any(i >= 0 for i in idx)
+    y = case.y.clone()
+    ops.add_lora(y, case.x, case.lora_a, case.lora_b, case.meta, None, case.output_slices)
+    no_adapter = ~case.has_adapter
+    assert torch.equal(y[no_adapter], case.y[no_adapter]) and not y.isnan().any()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_strided_views_and_given_buffer(backend):
+    """x, y and out as column views of wider tensors, as a fused projection makes them."""
+    ops = get_lora_ops(backend)
+    case = make_case(11, 3, 8, "skewed", "qkv")
+    wide_x = torch.full((11, case.x.shape[1] + 7), float("nan"))
+    x = wide_x[:, 3 : 3 + case.x.shape[1]]
+    x.copy_(case.x)
+    wide_y = torch.zeros(11, case.y.shape[1] + 5)
+    y = wide_y[:, 5:]
+    y.copy_(case.y)
+    buffer = torch.zeros(11, case.out.shape[1] + 2)[:, 1:-1]
+    ops.add_lora(y, x, case.lora_a, case.lora_b, case.meta, case.scaling, case.output_slices, buffer=buffer)
+    assert_rows(y, case.expected_y, case.has_adapter)
+    assert torch.equal(wide_y[:, :5], torch.zeros(11, 5))
+
+
+TRITON_CASES = [  # (T, N, R, popularity, layer, with_pads): the interpreter is slow, so a representative few
+    (1, 1, 16, "identical", "dense", False),
+    (1, 8, 4, "uniform", "qkv", False),
+    (7, 3, 4, "uniform", "qkv", True),
+    (7, 3, 8, "skewed", "dense", True),
+    (7, 1, 64, "segments", "gate_up", True),
+    (7, 8, 16, "distinct", "qkv", True),
+    (64, 8, 16, "distinct", "qkv", True),
+    (64, 8, 64, "skewed", "gate_up", False),
+    (64, 3, 8, "segments", "qkv", True),
+    (64, 8, 4, "identical", "dense", True),
+    (64, 3, 4, "uniform", "gate_up", True),
+]
+
+
+@pytest.mark.parametrize(("num_tokens", "num_adapters", "rank", "popularity", "layer", "with_pads"), TRITON_CASES)
+def test_triton_ops_match_torch_ops(num_tokens, num_adapters, rank, popularity, layer, with_pads):
+    case = make_case(num_tokens, num_adapters, rank, popularity, layer, with_pads)
+    triton_ops = get_lora_ops("triton")
+    check_ops(triton_ops, case)
+    outs, ys = [], []
+    for ops in (triton_ops, torch_ops):
+        outs.append(case.out.clone())
+        ops.lora_shrink(outs[-1], case.x, case.lora_a, case.meta, case.scaling)
+        ys.append(case.y.clone())
+        ops.add_lora(ys[-1], case.x, case.lora_a, case.lora_b, case.meta, case.scaling, case.output_slices)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ys[0], ys[1], rtol=1e-5, atol=1e-5)
+
+
+BF16_DOT_BROKEN = pytest.mark.skipif(
+    INTERPRETED, reason="Triton's interpreter tl.dot multiplies bf16 bit patterns (triton#11584)"
+)
+
+
+@pytest.mark.parametrize(
+    ("backend", "dtype"),
+    [
+        ("torch", torch.float16),
+        ("torch", torch.bfloat16),
+        ("triton", torch.float16),
+        pytest.param("triton", torch.bfloat16, marks=BF16_DOT_BROKEN),
+    ],
+)
+@pytest.mark.parametrize("popularity", ["uniform", "segments"])
+def test_half_precision(backend, dtype, popularity):
+    case = make_case(64, 8, 16, popularity, "qkv", dtype=dtype)
+    y = case.y.clone()
+    get_lora_ops(backend).add_lora(y, case.x, case.lora_a, case.lora_b, case.meta, case.scaling, case.output_slices)
+    assert y.dtype == dtype
+    assert_rows(y, case.expected_y, case.has_adapter, tol={torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_ops_reject_mismatched_shapes(backend):
+    ops = get_lora_ops(backend)
+    case = make_case(7, 3, 8, "uniform", "qkv")
+    with pytest.raises(ValueError, match="lora_a"):
+        ops.lora_shrink(case.out, case.x[:, :-1], case.lora_a, case.meta, None)
+    with pytest.raises(ValueError, match="past the 2 stacked rows"):
+        ops.lora_shrink(case.out, case.x, case.lora_a[:2], case.meta, None)
+    with pytest.raises(ValueError, match="output_slices"):
+        ops.lora_expand(case.y, case.expected_z, case.lora_b, case.meta, (40, 24, 23))
+    with pytest.raises(ValueError, match="rows"):
+        ops.lora_expand(case.y[:-1], case.expected_z[:-1], case.lora_b, case.meta, case.output_slices)
+
+
+def test_backend_by_name_and_default_add_lora():
+    with pytest.raises(ValueError, match="unknown LoRA backend"):
+        get_lora_ops("cuda")
+    assert add_lora is torch_ops.add_lora
+
+
+def test_kernels_import_lazily_and_nothing_of_ours():
+    code = (
+        "import sys, kernels.lora\n"
+        "assert 'triton' not in sys.modules\n"
+        "ours = ('engine', 'adapters', 'registry', 'gateway')\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] in ours]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("popularity", ["distinct", "skewed", "segments"])
+def test_triton_ops_match_torch_ops_on_cuda(dtype, popularity):
+    """A real-sized packed layer: 512 tokens over 32 adapters of rank 16, H_in 4096, qkv (4096, 1024, 1024)."""
+    gen = torch.Generator().manual_seed(0)
+    num_tokens, num_adapters, rank, output_slices = 512, 32, 16, (4096, 1024, 1024)
+    idx = assign_adapters(num_tokens, num_adapters, popularity, True, gen)
+    meta = LoraMeta.build(idx, "cuda")
+    x = torch.randn(num_tokens, 4096, device="cuda", dtype=dtype)
+    lora_a = torch.randn(num_adapters, 3 * rank, 4096, device="cuda", dtype=dtype) / 64
+    lora_b = torch.randn(num_adapters, sum(output_slices), rank, device="cuda", dtype=dtype) / 4
+    scaling = torch.rand(num_adapters, device="cuda") + 0.5
+    y = torch.randn(num_tokens, sum(output_slices), device="cuda", dtype=dtype)
+    ref = y.float()
+    torch_ops.add_lora(ref, x.float(), lora_a.float(), lora_b.float(), meta, scaling, output_slices)
+    get_lora_ops("triton").add_lora(y, x, lora_a, lora_b, meta, scaling, output_slices)
+    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+    torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol)
