@@ -128,3 +128,30 @@ def test_mixed_batch_last_token_logits_match_peft_adapter_names(setup):
         for token_id, logprob in top.items():
             assert logprob == pytest.approx(ref[token_id].item(), abs=1e-4)
         assert out.outputs[0].token_ids[0] == int(expected[row].argmax())
+
+
+@pytest.mark.gpu
+def test_cuda_triton_lora_mixed_batch_matches_peft(setup):
+    _, peft_model, cpu_llm, loras = setup
+    llm = LLM(
+        model=cpu_llm.engine.config.model,
+        device="cuda",
+        dtype="float32",
+        enable_lora=True,
+        max_loras=4,
+        max_lora_rank=16,
+        lora_backend="triton",
+        attention_backend="triton",
+        num_kv_blocks=256,
+    )
+    names = [None, *ADAPTERS]
+    batch = prompts(llm.engine.runner.arch.vocab_size, len(names), seed=5)
+    ours = llm.generate(
+        batch,
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+        lora_request=[loras.get(n) for n in names],
+    )
+    for prompt, name, out in zip(batch, names, ours):
+        with torch.no_grad():
+            logits = peft_model(torch.tensor([prompt]), adapter_names=[name or "__base__"]).logits[0, -1]
+        assert out.outputs[0].token_ids[0] == int(logits.argmax())
