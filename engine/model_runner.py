@@ -33,26 +33,6 @@ def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> 
     return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
 
 
-def base_model_spec(arch: ModelArch, model_dir: str) -> BaseModelSpec:
-    """What adapters are validated against: each LoRA-able module's (in, out) features."""
-    hidden, inner, q, kv = (
-        arch.hidden_size,
-        arch.intermediate_size,
-        arch.num_heads * arch.head_dim,
-        arch.num_kv_heads * arch.head_dim,
-    )
-    shapes = {
-        "q_proj": (hidden, q),
-        "k_proj": (hidden, kv),
-        "v_proj": (hidden, kv),
-        "o_proj": (q, hidden),
-        "gate_proj": (hidden, inner),
-        "up_proj": (hidden, inner),
-        "down_proj": (inner, hidden),
-    }
-    return BaseModelSpec(num_layers=arch.num_layers, module_shapes=shapes, base_model_name=model_dir)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -92,7 +72,15 @@ class ModelRunner:
     def _enable_lora(self) -> None:
         """Stacked adapter rows in an AdapterCache, and every LoRA-able linear wrapped to read them."""
         config, arch = self.config, self.arch
-        spec = base_model_spec(arch, config.model)
+        spec = BaseModelSpec.from_dims(
+            arch.hidden_size,
+            arch.intermediate_size,
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+            arch.num_layers,
+            base_model_name=config.model,
+        )
         self.adapter_cache = AdapterCache(
             spec,
             lora_targets,

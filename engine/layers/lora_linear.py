@@ -41,9 +41,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # [T, H_out]
         meta = self.context.meta
-        if meta is None or not meta.has_lora:
+        if meta is None:
             return y
-        z = torch.empty(x.shape[0], self.lora_a.shape[1], dtype=x.dtype, device=x.device)  # [T, S * R]
-        self.context.ops.lora_shrink(z, x, self.lora_a, meta, None)
-        self.context.ops.lora_expand(y, z, self.lora_b, meta, self.output_slices)
+        self.context.ops.add_lora(y, x, self.lora_a, self.lora_b, meta, None, self.output_slices)
         return y

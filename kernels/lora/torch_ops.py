@@ -13,6 +13,7 @@ calls) and large ones to a per-adapter loop (no padding, no extra copies).
 import torch
 from torch import Tensor
 
+from .compose import compose_add_lora
 from .meta import LoraMeta, check_expand, check_shrink
 
 # On 2 CPU threads a torch call costs about as much as writing this many floats to padded temporaries
@@ -87,25 +88,6 @@ def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_sli
     y.index_add_(0, meta.sorted_token_idx, delta)
 
 
-def add_lora(
-    y: Tensor,
-    x: Tensor,
-    lora_a: Tensor,
-    lora_b: Tensor,
-    meta: LoraMeta,
-    scaling: Tensor | None,
-    output_slices: tuple[int, ...],
-    buffer: Tensor | None = None,
-) -> None:
-    """y[t] += scaling[i] * (x[t] @ lora_a[i].T) @ lora_b[i].T per slice: lora_shrink into buffer (z: [T, S * R],
-    allocated here when None), then lora_expand."""
-    if not meta.has_lora:
-        return
-    z = buffer if buffer is not None else x.new_empty(x.shape[0], lora_a.shape[1])  # [T, S * R]
-    lora_shrink(z, x, lora_a, meta, scaling)
-    lora_expand(y, z, lora_b, meta, output_slices)
-
-
 def _shrink_padded(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta, scaling: Tensor | None) -> None:
     num_active, max_len = meta.num_active, meta.max_seg_len
     padded_x = x.index_select(0, meta.padded_token_idx).view(num_active, max_len, x.shape[1])  # [A, M, H_in]
@@ -143,3 +125,6 @@ def _offsets(output_slices: tuple[int, ...]) -> list[tuple[int, int]]:
         bounds.append((lo, lo + size))
         lo += size
     return bounds
+
+
+add_lora = compose_add_lora(lora_shrink, lora_expand)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .compose import compose_add_lora
 from .meta import LoraMeta, check_expand, check_shrink
 
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
@@ -63,25 +64,6 @@ def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_sli
         y.stride(0), y.stride(1), z.stride(0), z.stride(1), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         block_m, EXPAND_BLOCK_N, block_k, _precision(z),
     )  # fmt: skip
-
-
-def add_lora(
-    y: Tensor,
-    x: Tensor,
-    lora_a: Tensor,
-    lora_b: Tensor,
-    meta: LoraMeta,
-    scaling: Tensor | None,
-    output_slices: tuple[int, ...],
-    buffer: Tensor | None = None,
-) -> None:
-    """y[t] += scaling[i] * (x[t] @ lora_a[i].T) @ lora_b[i].T per slice: lora_shrink into buffer (z: [T, S * R],
-    allocated here when None), then lora_expand."""
-    if not meta.has_lora:
-        return
-    z = buffer if buffer is not None else x.new_empty(x.shape[0], lora_a.shape[1])  # [T, S * R]
-    lora_shrink(z, x, lora_a, meta, scaling)
-    lora_expand(y, z, lora_b, meta, output_slices)
 
 
 def _block_m(meta: LoraMeta) -> int:
@@ -175,3 +157,6 @@ def _expand_kernel(
         mask = row_valid[:, None] & col_valid[None, :]
         y = tl.load(y_ptr + y_offs, mask=mask, other=0.0)
         tl.store(y_ptr + y_offs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+add_lora = compose_add_lora(lora_shrink, lora_expand)
