@@ -13,12 +13,23 @@ def _generate(args: argparse.Namespace) -> None:
     from gateway.demo.model import build_demo_model
 
     model = args.model or str(build_demo_model())
-    llm = LLM(model=model, dtype=args.dtype, device=args.device)
+    lora = _lora_request(args.lora) if args.lora else None
+    options = {"enable_lora": True, "max_lora_rank": args.max_lora_rank} if lora else {}
+    llm = LLM(model=model, dtype=args.dtype, device=args.device, **options)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     prompts = args.prompt or ["Alice was beginning to", "It was the best of times,", "Call me"]
-    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=True)):
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=True, lora_request=lora)):
         o = out.outputs[0]
         print(f"{prompt!r} -> {o.text!r}  [{len(o.token_ids)} tokens, {o.finish_reason}]")
+
+
+def _lora_request(spec: str):
+    from adapters.ref import LoRARequest
+
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise SystemExit(f"--lora expects NAME=PATH, got {spec!r}")
+    return LoRARequest(name, path)
 
 
 def _bench_engine(args: argparse.Namespace) -> None:
@@ -46,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--device", default="auto")
+    gen.add_argument("--lora", metavar="NAME=PATH", help="a PEFT LoRA adapter to apply to every prompt")
+    gen.add_argument("--max-lora-rank", type=int, default=64)
     gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="benchmarks")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from gateway import cli
 from gateway.demo.model import build_demo_model
 
@@ -35,3 +37,25 @@ def test_generate_with_a_model_directory_and_seed(tmp_path, capsys):
     first = capsys.readouterr().out
     cli.main(argv)
     assert capsys.readouterr().out.split("\n")[-2] == first.split("\n")[-2]
+
+
+def test_generate_with_a_lora_adapter(tmp_path, capsys):
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    directory = build_demo_model(tmp_path / "m")
+    base = LlamaForCausalLM.from_pretrained(directory)
+    torch.manual_seed(0)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    get_peft_model(copy.deepcopy(base), config).save_pretrained(tmp_path / "adapter")
+    argv = ["generate", "--model", str(directory), "--prompt", "Call me", "--max-tokens", "6"]
+    cli.main(argv)
+    plain = capsys.readouterr().out.strip().splitlines()[-1]
+    cli.main([*argv, "--lora", f"demo={tmp_path / 'adapter'}"])
+    adapted = capsys.readouterr().out.strip().splitlines()[-1]
+    assert adapted.startswith("'Call me' -> ") and adapted != plain
+    with pytest.raises(SystemExit, match="NAME=PATH"):
+        cli.main([*argv, "--lora", "no-equals-sign"])
