@@ -87,6 +87,7 @@ class AdapterCache:
         self._host: OrderedDict[Key, HostAdapter] = OrderedDict()  # least recently used first
         self._loading: dict[Key, Future] = {}
         self._failed: dict[Key, AdapterError] = {}
+        self._digests: dict[Key, str] = {}  # of every adapter ever loaded: it outlives the host copy
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-adapter-loader")
         self.stats = AdapterCacheStats()
@@ -122,6 +123,7 @@ class AdapterCache:
         with self._lock:
             self._host[lora.key] = host
             self._host.move_to_end(lora.key)
+            self._digests[lora.key] = host.weights.digest
             while len(self._host) > self.max_cpu_loras:
                 self._host.popitem(last=False)
                 self.stats.host_evictions += 1
@@ -171,11 +173,14 @@ class AdapterCache:
     def is_resident(self, lora: LoRARequest) -> bool:
         return lora.key in self._rows.row_of
 
-    def digest(self, lora: LoRARequest) -> str | None:
-        """The content digest once the adapter is in host memory, else None."""
+    def on_host(self, lora: LoRARequest) -> bool:
         with self._lock:
-            host = self._host.get(lora.key)
-        return host.weights.digest if host else None
+            return lora.key in self._host
+
+    def digest(self, lora: LoRARequest) -> str | None:
+        """The content digest once the adapter has been loaded (it may since have left host memory)."""
+        with self._lock:
+            return self._digests.get(lora.key)
 
     # ---- device rows (engine thread only) -----------------------------------------------------------
     def acquire(self, lora: LoRARequest) -> int | None:

@@ -57,11 +57,13 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Registers the blocks that become full once the seq has `num_tokens` computed tokens (those full
-        before its already-computed tokens were registered by an earlier step)."""
-        num_full = num_tokens // self.block_size
+    def commit(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Records that the step computed `num_new_tokens` more of the seq's tokens, and registers the blocks
+        that became full in the prefix cache. Only computed blocks are registered: a block allocated for a
+        step that never ran (its seq was preempted first) must never be found by a prefix lookup."""
         first = seq.num_computed_tokens // self.block_size
+        seq.num_computed_tokens += num_new_tokens
+        num_full = seq.num_computed_tokens // self.block_size
         if not self.enable_prefix_caching or num_full <= first:
             return
         seq.block_hashes = self._chain(seq, num_full)
@@ -102,7 +104,6 @@ class BlockManager:
         new_blocks = self.blocks_needed(num_cached_tokens + num_new_tokens) - len(cached)
         seq.block_table = cached + [self._take_free_block() for _ in range(new_blocks)]
         seq.num_computed_tokens = num_cached_tokens
-        self._register_full_blocks(seq, num_cached_tokens + num_new_tokens)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """Room for `num_new_tokens` more tokens of a running sequence. Returns the (src, dst) block copies
@@ -121,7 +122,6 @@ class BlockManager:
             seq.block_table[seq.num_computed_tokens // self.block_size] = dst
             copies.append((last, dst))
         seq.block_table.extend(self._take_free_block() for _ in range(new_blocks))
-        self._register_full_blocks(seq, total)
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -160,7 +160,7 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.stats.num_prompt_tokens_computed += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-            seq.num_computed_tokens += n
+            self.block_manager.commit(seq, n)
         rows, row_seqs = [], []
         for i, seq in enumerate(sampling_seqs):
             for s in [seq, *self._fork(seq)]:

@@ -170,9 +170,9 @@ class Scheduler:
             self.failed.append((seq, e))
             return "failed"
         if row is None:
-            return "loading" if self.adapter_cache.digest(lora) is None else "no_row"
+            return "no_row" if self.adapter_cache.on_host(lora) else "loading"
         seq.adapter_idx = row
-        seq.group.adapter_key = self.adapter_cache.digest(lora)
+        seq.group.adapter_key = self.adapter_cache.digest(lora)  # the prefix cache's key: content, not name
         return "ok"
 
     def _batch(self, picked: dict[int, int], copies: list[tuple[int, int]], preempted: int) -> ScheduledBatch:

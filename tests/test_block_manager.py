@@ -23,7 +23,7 @@ def allocate_all(bm: BlockManager, seq: Sequence) -> int:
     num_new = seq.num_tokens - len(cached) * bm.block_size
     assert bm.can_allocate(seq, cached, num_new)
     bm.allocate(seq, cached, num_new)
-    seq.num_computed_tokens += num_new
+    bm.commit(seq, num_new)
     return len(cached)
 
 
@@ -95,3 +95,15 @@ def test_append_slots_refuses_when_the_pool_is_dry():
     seq.token_ids.append(0)
     assert bm.append_slots(seq, 1) is None
     assert len(seq.block_table) == 2
+
+
+def test_blocks_enter_the_prefix_cache_only_once_computed():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = make_seq(list(range(9)))
+    bm.allocate(seq, [], 9)  # scheduled, then preempted before its step ran: its KV was never written
+    bm.free(seq)
+    assert bm.find_cached_prefix(make_seq(list(range(9)))) == []
+    seq = make_seq(list(range(9)))
+    bm.allocate(seq, [], 9)
+    bm.commit(seq, 9)  # the step ran
+    assert bm.find_cached_prefix(make_seq(list(range(9)))) == seq.block_table[:2]

@@ -19,7 +19,7 @@ def run_step(scheduler: Scheduler, sample_token: int = 7):
     batch = scheduler.schedule()
     sampling = batch.sampling_seqs()
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
-        seq.num_computed_tokens += n
+        scheduler.block_manager.commit(seq, n)
     for seq in sampling:
         seq.token_ids.append(sample_token)
     return batch
