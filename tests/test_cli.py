@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from gateway import cli
-from gateway.demo.model import build_demo_model
+from gateway.demo.model import build_demo_model, demo_dir
 
 
-def test_generate_with_the_embedded_demo_model(tmp_path, monkeypatch, capsys):
+def test_generate_with_the_embedded_demo_model(demo_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    shutil.copytree(demo_model_dir, demo_dir())  # the session's build stands in for the first run's
     cli.main(["generate", "--prompt", "Alice was", "--max-tokens", "5"])
     out = capsys.readouterr().out
     assert "'Alice was' -> " in out and "[5 tokens, length]" in out
@@ -20,8 +23,8 @@ def test_generate_with_the_embedded_demo_model(tmp_path, monkeypatch, capsys):
     assert (built[0] / "model.safetensors").stat().st_mtime == mtime
 
 
-def test_generate_with_a_model_directory_and_seed(tmp_path, capsys):
-    directory = build_demo_model(tmp_path / "m")
+def test_generate_with_a_model_directory_and_seed(demo_model_dir, capsys):
+    directory = build_demo_model(demo_model_dir)  # already built: returned as is
     argv = [
         "generate",
         "--model",
@@ -39,14 +42,14 @@ def test_generate_with_a_model_directory_and_seed(tmp_path, capsys):
     assert capsys.readouterr().out.split("\n")[-2] == first.split("\n")[-2]
 
 
-def test_generate_with_a_lora_adapter(tmp_path, capsys):
+def test_generate_with_a_lora_adapter(demo_model_dir, tmp_path, capsys):
     import copy
 
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
-    directory = build_demo_model(tmp_path / "m")
+    directory = demo_model_dir
     base = LlamaForCausalLM.from_pretrained(directory)
     torch.manual_seed(0)
     config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)

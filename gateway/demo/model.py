@@ -28,7 +28,9 @@ ADAPTERS: dict[str, Callable[[str], str]] = {
     "reverse": lambda text: " ".join(reversed(text.split())),
     "format": lambda text: f"ANSWER: {text}",
 }
-BASE_STEPS, ADAPTER_STEPS, BATCH = 500, 120, 32
+BASE_STEPS, BATCH = 350, 32
+ADAPTER_STEPS = {"upper": 150, "reverse": 200, "format": 80}
+WINDOW = 40  # corpus tokens per training row
 ADAPTER_RANK = 8
 
 
@@ -85,7 +87,9 @@ def build_demo_model(directory: Path | None = None, seed: int = 0) -> Path:
         torch.manual_seed(seed)
         lora = LoraConfig(r=ADAPTER_RANK, lora_alpha=2 * ADAPTER_RANK, target_modules="all-linear", lora_dropout=0.0)
         peft_model = get_peft_model(model, lora)
-        _train(peft_model, lambda t=transform: data.chat_batch(BATCH, t), ADAPTER_STEPS, lr=3e-3, desc=f"demo {name}")
+        _train(
+            peft_model, lambda t=transform: data.chat_batch(BATCH, t), ADAPTER_STEPS[name], lr=5e-3, desc=f"demo {name}"
+        )
         peft_model.save_pretrained(tmp / "adapters" / name)
         model = peft_model.unload()  # drops the LoRA layers: the base is unchanged for the next adapter
     tmp.rename(directory)
@@ -98,8 +102,12 @@ class _DemoData:
     def __init__(self, tokenizer, rng: random.Random):
         self.tokenizer, self.rng = tokenizer, rng
         lines = [line for line in CORPUS.read_text(encoding="utf-8").splitlines() if line.strip()]
-        self.lines = [tokenizer.encode(line) + [tokenizer.eos_token_id] for line in lines]
+        self.lines = [[*tokenizer.encode(line), tokenizer.eos_token_id] for line in lines]
         self.words = sorted({w for w in re.findall(r"[a-z]+", " ".join(lines).lower()) if 2 <= len(w) <= 7})
+
+    def window(self, ids: list[int]) -> list[int]:
+        start = self.rng.randint(0, max(0, len(ids) - WINDOW))
+        return ids[start : start + WINDOW]
 
     def text(self) -> str:
         """2 to 4 lowercase corpus words, at most 20 characters."""
@@ -111,7 +119,7 @@ class _DemoData:
     def chat(self, transform: Callable[[str], str]) -> tuple[list[int], list[int]]:
         text = self.text()
         prompt = self.tokenizer.encode(chat_prompt(text))
-        reply = self.tokenizer.encode(transform(text)) + [self.tokenizer.eos_token_id]
+        reply = [*self.tokenizer.encode(transform(text)), self.tokenizer.eos_token_id]
         return prompt + reply, [-100] * len(prompt) + reply
 
     def chat_batch(self, size: int, transform: Callable[[str], str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +127,7 @@ class _DemoData:
 
     def base_batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         half = size // 2
-        lines = [self.rng.choice(self.lines) for _ in range(half)]
+        lines = [self.window(self.rng.choice(self.lines)) for _ in range(half)]
         examples = [(ids, ids) for ids in lines] + [self.chat(str) for _ in range(size - half)]
         return _pad(examples, self.tokenizer.eos_token_id)
 
