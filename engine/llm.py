@@ -58,7 +58,8 @@ class LLM:
         requests = [self.to_request(p, sp, lora) for p, sp, lora in zip(prompts, params, loras)]
         for request in requests:  # validate all, adapters included, before queueing any
             self.engine.validate(request)
-        for lora in {r.lora for r in requests if r.lora is not None}:
+        first_needed = dict.fromkeys(r.lora for r in requests if r.lora is not None)
+        for lora in reversed(first_needed):  # the first ones needed are loaded last: they stay in host memory
             self.engine.adapter_cache.load(lora)
         for request in requests:
             self.engine.add_request(request)

@@ -40,6 +40,9 @@ class ScheduledBatch:
         return [s for s, n in zip(self.seqs, self.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
 
 
+ROW_WAIT_STEPS = 32  # how long younger seqs may keep joining resident adapters while an older one waits
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, adapter_cache: AdapterCache | None = None):
         self.max_num_seqs = config.max_num_seqs
@@ -47,6 +50,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.adapter_cache = adapter_cache
         self.failed: list[tuple[Sequence, Exception]] = []  # adapter loads that failed; the engine ends them
+        self._row_wait_steps = 0  # steps some waiting seq has been waiting for a free adapter row
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # ordered by arrival
         self.num_preemptions = 0
@@ -108,20 +112,23 @@ class Scheduler:
             picked[seq.seq_id] = num_new
             budget -= num_new
         if not preempted:
-            budget = self._admit(budget, picked)
+            budget, row_blocked = self._admit(budget, picked)
+            self._row_wait_steps = self._row_wait_steps + 1 if row_blocked else 0
         if self.adapter_cache is not None:
             self._prefetch_adapters()
         return self._batch(picked, [c for cp in copies.values() for c in cp], preempted)
 
-    def _admit(self, budget: int, picked: dict[int, int]) -> int:
+    def _admit(self, budget: int, picked: dict[int, int]) -> tuple[int, bool]:
         """Waiting seqs join oldest first while budget, seats and blocks last. A seq whose adapter is still
-        loading is passed over (others run meanwhile); once an older seq waits for a free adapter row,
-        younger ones may not take rows before it, so the rows drain and it cannot starve."""
+        loading is passed over (others run meanwhile). Once an older seq waits for a free adapter row,
+        younger ones may not take rows before it; for ROW_WAIT_STEPS steps they may still join adapters
+        already on a row, after that not even those, so the rows drain and the older seq cannot starve."""
         position, row_blocked = 0, False
         while position < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[position]
             if seq.group.lora is not None:
-                if row_blocked:
+                lenient = self._row_wait_steps < ROW_WAIT_STEPS and self.adapter_cache.is_resident(seq.group.lora)
+                if row_blocked and not lenient:
                     position += 1
                     continue
                 status = self._acquire_adapter(seq)
@@ -129,7 +136,7 @@ class Scheduler:
                     del self.waiting[position]
                     continue
                 if status != "ok":
-                    row_blocked = status == "no_row"
+                    row_blocked = row_blocked or status == "no_row"
                     position += 1
                     continue
             cached = self.block_manager.find_cached_prefix(seq)
@@ -145,7 +152,7 @@ class Scheduler:
             self._insert_running(seq)
             picked[seq.seq_id] = num_new
             budget -= num_new
-        return budget
+        return budget, row_blocked
 
     def _prefetch_adapters(self) -> None:
         """Starts loading the adapters the queue will want next, oldest first, but only as many as host

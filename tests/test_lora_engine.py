@@ -178,3 +178,29 @@ def test_async_cold_adapter_loads_while_others_run_and_a_bad_one_fails_alone(mod
     base_done = next(r.step for r in trace if "base" in r.finished)
     slow_first = next(r.step for r in trace if "slow" in r.sampled)
     assert base_done < slow_first  # the base request ran to the end while the adapter was still loading
+
+
+def test_a_stream_on_a_resident_adapter_cannot_starve_one_waiting_for_a_row(model):
+    from engine.scheduler import ROW_WAIT_STEPS
+
+    base, loras, _ = model
+    llm = make_llm(base, max_loras=1)
+    engine = llm.engine
+    long = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    for lora in loras[:2]:
+        engine.adapter_cache.load(lora)
+    engine.add_request(EngineRequest("first-a0", [5, 6, 7], long, lora=loras[0]))
+    engine.step()
+    engine.add_request(EngineRequest("waiting-a1", [5, 6, 7], long, lora=loras[1]))
+    got_row_at = None
+    for step in range(200):  # a0 requests keep coming, each would extend a0's hold on the only row
+        engine.add_request(EngineRequest(f"stream-a0-{step}", [8, 9], long, lora=loras[0]))
+        for out in engine.step():
+            if out.request_id == "waiting-a1" and got_row_at is None:
+                got_row_at = step
+        if got_row_at is not None:
+            break
+    assert got_row_at is not None and got_row_at <= ROW_WAIT_STEPS + 2 * long.max_tokens
+    while engine.has_unfinished:
+        engine.step()
+    assert_idle(llm)
