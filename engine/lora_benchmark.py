@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -76,13 +78,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-peft", action="store_true")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each, interleaved; the median is reported")
     parser.add_argument("--json", type=Path, default=Path("bench-results/lora.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
     prompts = workload("fixed", args.num_prompts)
     num_tokens = args.num_prompts * args.output_len
-    rows: dict[str, float] = {}
+    runs: dict[str, list[float]] = defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
         hf_model = build_model(Path(tmp) / "base")
         loras = make_adapters(hf_model, Path(tmp), 128, args.rank)
@@ -92,12 +95,16 @@ def main(argv: list[str] | None = None) -> dict:
         common = dict(dtype="float32", device="cpu", max_num_seqs=args.num_prompts, enable_prefix_caching=False)
         llm = LLM(model=base, enable_lora=True, max_loras=8, max_lora_rank=args.rank, max_cpu_loras=32, **common)
         time_loraplex(llm, prompts[:4], 4, k8[:4])  # warm-up
-        rows["loraplex base-only"] = time_loraplex(llm, prompts, args.output_len, None)
-        rows["loraplex K=8"] = time_loraplex(llm, prompts, args.output_len, k8)
+        for _ in range(args.repeat):  # interleaved, so a noisy neighbour hits both alike
+            runs["loraplex base-only"].append(time_loraplex(llm, prompts, args.output_len, None))
+            runs["loraplex K=8"].append(time_loraplex(llm, prompts, args.output_len, k8))
         del llm
-        llm = LLM(model=base, enable_lora=True, max_loras=16, max_lora_rank=args.rank, max_cpu_loras=32, **common)
-        rows["loraplex K=128 (16 rows, 32 in host memory)"] = time_loraplex(llm, prompts, args.output_len, k128)
-        del llm
+        for _ in range(args.repeat):  # a fresh engine each time: every adapter starts cold on disk
+            llm = LLM(model=base, enable_lora=True, max_loras=16, max_lora_rank=args.rank, max_cpu_loras=32, **common)
+            runs["loraplex K=128 (16 rows, 32 in host memory)"].append(
+                time_loraplex(llm, prompts, args.output_len, k128)
+            )
+            del llm
         if not args.skip_peft:
             from peft import PeftModel
 
@@ -105,9 +112,15 @@ def main(argv: list[str] | None = None) -> dict:
             for lora in loras[1:8]:
                 peft_model.load_adapter(lora.path, adapter_name=lora.name)
             names = [lora.name for lora in k8]
-            rows["peft K=8 mixed batch (adapter_names)"] = time_peft(peft_model, prompts, args.output_len, names, False)
-            rows["peft K=8 grouped (set_adapter)"] = time_peft(peft_model, prompts, args.output_len, names, True)
-    results = {name: {"seconds": s, "tok_s": num_tokens / s} for name, s in rows.items()}
+            for _ in range(args.repeat):
+                runs["peft K=8 mixed batch (adapter_names)"].append(
+                    time_peft(peft_model, prompts, args.output_len, names, False)
+                )
+                runs["peft K=8 grouped (set_adapter)"].append(
+                    time_peft(peft_model, prompts, args.output_len, names, True)
+                )
+    rows = {name: statistics.median(times) for name, times in runs.items()}
+    results = {name: {"seconds": s, "runs_s": runs[name], "tok_s": num_tokens / s} for name, s in rows.items()}
     report(results)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"rank": args.rank, "threads": args.threads, "rows": results}, indent=2))
