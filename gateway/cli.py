@@ -63,19 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    engine = bench_sub.add_parser(
-        "engine", help="offline engine throughput vs transformers (see --help)", add_help=False
-    )
-    engine.add_argument("bench_args", nargs=argparse.REMAINDER)
+    # each benchmark parses its own options (`loraplex bench engine --help`)
+    engine = bench_sub.add_parser("engine", help="offline engine throughput vs transformers", add_help=False)
     engine.set_defaults(func=_bench_engine)
     lora = bench_sub.add_parser("lora", help="offline multi-LoRA throughput vs transformers + peft", add_help=False)
-    lora.add_argument("bench_args", nargs=argparse.REMAINDER)
     lora.set_defaults(func=_bench_lora)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "command", None) != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.bench_args = extra
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.func(args)
 

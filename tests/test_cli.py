@@ -62,3 +62,13 @@ def test_generate_with_a_lora_adapter(demo_model_dir, tmp_path, capsys):
     assert adapted.startswith("'Call me' -> ") and adapted != plain
     with pytest.raises(SystemExit, match="NAME=PATH"):
         cli.main([*argv, "--lora", "no-equals-sign"])
+
+
+@pytest.mark.parametrize("bench", ["engine", "lora"])
+def test_bench_commands_parse_their_own_options(bench, capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench", bench, "--help"])
+    assert done.value.code == 0 and f"loraplex bench {bench}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        cli.main(["generate", "--no-such-option"])
+    assert done.value.code == 2 and "--no-such-option" in capsys.readouterr().err
