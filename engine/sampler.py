@@ -18,7 +18,6 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
-GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM: a smaller temperature is sampled greedily
 TOP_CANDIDATES = 256  # top-k / top-p look for their cut, and draw, among this many best tokens first
 NO_LOGPROB = math.nan  # SampledToken.logprob when the row did not ask for logprobs
 
@@ -38,10 +37,6 @@ class SampledToken:
     top_logprobs: dict[int, float] | None  # params.logprobs best raw tokens, best first; None if unasked
 
 
-def is_greedy(params: SamplingParams) -> bool:
-    return params.temperature < GREEDY_BELOW_TEMPERATURE
-
-
 class Sampler:
     def __init__(self, eos_token_ids: set[int]):
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -57,8 +52,8 @@ class Sampler:
         apply_penalties(scores, rows)
         scores[ban_rows, ban_tokens] = -math.inf
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)  # [B]
-        greedy_idx = [i for i, row in enumerate(rows) if is_greedy(row.params)]
-        random_idx = [i for i, row in enumerate(rows) if not is_greedy(row.params)]
+        greedy_idx = [i for i, row in enumerate(rows) if row.params.is_greedy]
+        random_idx = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if greedy_idx:
             token_ids[greedy_idx] = _select_rows(scores, greedy_idx).argmax(dim=-1)
         if random_idx:
@@ -82,7 +77,7 @@ class Sampler:
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:
-    return is_greedy(params) and not params.has_penalties and params.logprobs is None
+    return params.is_greedy and not params.has_penalties and params.logprobs is None
 
 
 def flat_tokens(token_lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM: a smaller temperature is sampled greedily
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -65,7 +67,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
