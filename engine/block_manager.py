@@ -89,7 +89,7 @@ class BlockManager:
             del self.free_queue[block_id]
         self.ref_counts[block_id] += 1
 
-    def can_allocate(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
+    def can_allocate(self, cached: list[int], num_new_tokens: int) -> bool:
         num_cached_tokens = len(cached) * self.block_size
         new_blocks = self.blocks_needed(num_cached_tokens + num_new_tokens) - len(cached)
         revived = sum(1 for b in cached if self.ref_counts[b] == 0)  # cached but free: leave the free queue

@@ -44,7 +44,6 @@ class EngineStats:
     num_steps: int = 0
     num_prompt_tokens_computed: int = 0  # prompt tokens run through the model (prefix hits excluded)
     num_generated_tokens: int = 0
-    num_preemptions: int = 0
 
 
 class LLMEngine:
@@ -247,7 +246,6 @@ class LLMEngine:
 
     def _record(self, batch, deltas: dict[str, list[CompletionOutput]], finished: list[str]) -> None:
         self.stats.num_steps += 1
-        self.stats.num_preemptions += batch.num_preempted
         self.step_trace.append(
             StepRecord(
                 step=self.stats.num_steps,

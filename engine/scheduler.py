@@ -141,7 +141,7 @@ class Scheduler:
                     continue
             cached = self.block_manager.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
-            if not self.block_manager.can_allocate(seq, cached, num_new):
+            if not self.block_manager.can_allocate(cached, num_new):
                 self._release_adapter(seq)
                 break
             del self.waiting[position]

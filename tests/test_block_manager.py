@@ -21,7 +21,7 @@ def make_seq(token_ids: list[int], adapter_key: str | None = None) -> Sequence:
 def allocate_all(bm: BlockManager, seq: Sequence) -> int:
     cached = bm.find_cached_prefix(seq)
     num_new = seq.num_tokens - len(cached) * bm.block_size
-    assert bm.can_allocate(seq, cached, num_new)
+    assert bm.can_allocate(cached, num_new)
     bm.allocate(seq, cached, num_new)
     bm.commit(seq, num_new)
     return len(cached)
