@@ -84,6 +84,7 @@ class AdapterCache:
             self.lora_a.append(a)
             self.lora_b.append(b)
         self._rows = _Rows(pins=[0] * max_loras, free=list(range(max_loras)))
+        self._doomed: set[Key] = set()  # evicted while pinned: the row is freed at its last release
         self._host: OrderedDict[Key, HostAdapter] = OrderedDict()  # least recently used first
         self._loading: dict[Key, Future] = {}
         self._failed: dict[Key, AdapterError] = {}
@@ -187,6 +188,8 @@ class AdapterCache:
         """Pins the adapter's device row and returns its adapter_idx; None while it is not in host memory yet
         (see `prefetch`) or every row is pinned by running sequences. Raises the AdapterError of a failed load."""
         rows = self._rows
+        if lora.key in self._doomed:
+            return None  # evicted while running sequences pin it: reloaded once they release the row
         row = rows.row_of.get(lora.key)
         if row is None:
             with self._lock:
@@ -222,8 +225,56 @@ class AdapterCache:
         self.stats.activations += 1
 
     def release(self, adapter_idx: int) -> None:
-        assert self._rows.pins[adapter_idx] > 0, f"adapter row {adapter_idx} is not pinned"
-        self._rows.pins[adapter_idx] -= 1
+        rows = self._rows
+        assert rows.pins[adapter_idx] > 0, f"adapter row {adapter_idx} is not pinned"
+        rows.pins[adapter_idx] -= 1
+        if rows.pins[adapter_idx] == 0 and self._doomed:
+            key = next((k for k, row in rows.row_of.items() if row == adapter_idx), None)
+            if key in self._doomed:
+                self._free(key)
+
+    def evict(self, lora: LoRARequest) -> bool:
+        """Forgets the adapter in every tier (host copy, digest, a past failure) so that the next use reads the
+        directory again; its device row is freed now, or at the last release while running sequences pin it.
+        Returns whether the row is still pinned (the eviction then completes later)."""
+        with self._lock:
+            self._host.pop(lora.key, None)
+            self._failed.pop(lora.key, None)
+            self._digests.pop(lora.key, None)
+        row = self._rows.row_of.get(lora.key)
+        if row is not None and self._rows.pins[row]:
+            self._doomed.add(lora.key)
+            return True
+        if row is not None:
+            self._free(lora.key)
+        return False
+
+    def _free(self, key: Key) -> None:
+        self._doomed.discard(key)
+        row = self._rows.row_of.pop(key)
+        self._rows.free.append(row)
+        self.stats.device_evictions += 1
+        logger.info("adapter '%s' left device row %d", key[0], row)
+
+    def tier(self, lora: LoRARequest) -> str:
+        """Where the adapter is now: "device", "host", "loading", "failed" or "disk"."""
+        if lora.key in self._rows.row_of and lora.key not in self._doomed:
+            return "device"
+        with self._lock:
+            if lora.key in self._host:
+                return "host"
+            if lora.key in self._loading:
+                return "loading"
+            return "failed" if lora.key in self._failed else "disk"
+
+    def resident_keys(self) -> list[Key]:
+        """Adapters on device rows (engine thread), least recently used first."""
+        return [key for key in self._rows.row_of if key not in self._doomed]
+
+    @property
+    def num_on_host(self) -> int:
+        with self._lock:
+            return len(self._host)
 
     @property
     def num_pinned(self) -> int:

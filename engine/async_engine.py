@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -23,6 +23,17 @@ logger = logging.getLogger(__name__)
 
 _STOP = object()
 IDLE_POLL_S = 0.002
+
+
+def _settle(future: Future, result=None, error: BaseException | None = None) -> None:
+    """Completes a caller's future unless the caller stopped waiting (its work, e.g. an abort, still ran)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # cancelled by the caller
+        pass
 
 
 class AsyncEngine:
@@ -54,9 +65,9 @@ class AsyncEngine:
                         return
                     fn, future = item
                     try:
-                        future.set_result(fn())
+                        _settle(future, result=fn())
                     except Exception as e:  # a bad request fails alone
-                        future.set_exception(e)
+                        _settle(future, error=e)
             except queue.Empty:
                 pass
             try:
@@ -98,6 +109,7 @@ class AsyncEngine:
             await asyncio.wrap_future(self._call(lambda: self.engine.add_request(request)))
         except BaseException:
             self._streams.pop(request.request_id, None)
+            self._call(lambda: self.engine.abort(request.request_id))  # if it was added before we were cancelled
             raise
         finished = False
         try:
@@ -115,6 +127,10 @@ class AsyncEngine:
         """Aborts a request; when this returns its blocks are free."""
         self._streams.pop(request_id, None)
         await asyncio.wrap_future(self._call(lambda: self.engine.abort(request_id)))
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
 
     async def run_on_engine(self, fn):
         """Runs `fn()` on the engine thread between steps (for stats and admin reads) and returns its value."""

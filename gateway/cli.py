@@ -44,6 +44,50 @@ def _bench_lora(args: argparse.Namespace) -> None:
     bench_main(args.bench_args)
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from gateway.server import serve
+
+    serve(_settings(args))
+
+
+def _settings(args: argparse.Namespace):
+    from pydantic import ValidationError
+
+    from gateway.settings import ServeSettings
+
+    given = {name: value for name, value in vars(args).items() if name in ServeSettings.model_fields}
+    given.setdefault("log_level", args.log_level)
+    try:
+        return ServeSettings(**given)
+    except ValidationError as e:
+        raise SystemExit(f"loraplex serve: {e}") from None
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser, only: set[str] | None = None) -> None:
+    """One flag per ServeSettings field, defaults left to the settings (environment, then the field's)."""
+    from gateway.settings import ENV_PREFIX, ServeSettings
+
+    for name, field in ServeSettings.model_fields.items():
+        if name == "log_level" or (only is not None and name not in only):
+            continue
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{field.description} [env {ENV_PREFIX}{name.upper()}]"
+        annotation = str(field.annotation)
+        if "list" in annotation:
+            parser.add_argument(flag, nargs="+", action="extend", default=argparse.SUPPRESS, help=help_text)
+        elif "bool" in annotation:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        else:
+            kind = int if "int" in annotation and "str" not in annotation else float if "float" in annotation else str
+            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
+
+
+def _db_upgrade(args: argparse.Namespace) -> None:
+    from registry.db import upgrade
+
+    upgrade(_settings(args).database_url)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description="Multi-LoRA serving on one base model.")
     parser.add_argument("--log-level", default="INFO")
@@ -60,6 +104,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--lora", metavar="NAME=PATH", help="a PEFT LoRA adapter to apply to every prompt")
     gen.add_argument("--max-lora-rank", type=int, default=64)
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser(
+        "serve",
+        help="the OpenAI-compatible server (the embedded demo unless --model)",
+        description="Serve a base model and its LoRA adapters over an OpenAI-compatible API. Every option can "
+        "also be set by its environment variable; flags win.",
+    )
+    _add_settings_flags(serve)
+    serve.set_defaults(func=_serve)
+
+    database = sub.add_parser("db", help="the registry database")
+    db_sub = database.add_subparsers(dest="db_command", required=True)
+    upgrade = db_sub.add_parser("upgrade", help="apply the schema migrations (serve also does at start)")
+    _add_settings_flags(upgrade, only={"database_url"})
+    upgrade.set_defaults(func=_db_upgrade)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

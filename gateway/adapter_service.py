@@ -1,0 +1,183 @@
+"""AdapterService: the gateway's adapter plane, joining the registry (what exists) and the engine's adapter
+cache (what is loaded).
+
+Registering validates the adapter with the engine's own checks before a row is written; resolving turns a
+request's `model` / `lora_request` into the `LoRARequest` the engine runs (`name@version` + path); deleting
+removes the row at once and frees the device row when the requests still using it finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from adapters import AdapterError, LoRAWeights, read_adapter_config
+from adapters.ref import LoRARequest
+from engine.async_engine import AsyncEngine
+from gateway.adapter_roots import AdapterRoots
+from gateway.errors import APIError, model_not_found
+from registry.adapters import ALL_TENANTS, AdapterExists, AdapterRegistry, check_name, split_adapter_id
+from registry.models import Adapter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ModelChoice:
+    """What a request runs on: the base alone (adapter None) or one registered adapter."""
+
+    model: str  # the name echoed back in responses
+    adapter: Adapter | None
+
+    @property
+    def lora(self) -> LoRARequest | None:
+        return None if self.adapter is None else lora_request(self.adapter)
+
+    @property
+    def adapter_name(self) -> str:
+        """The usage key: the adapter's name, "" for the base model."""
+        return "" if self.adapter is None else self.adapter.name
+
+
+def lora_request(adapter: Adapter) -> LoRARequest:
+    return LoRARequest(adapter.adapter_id, adapter.path)
+
+
+def parse_lora_module(spec: str) -> tuple[str, str]:
+    """`name=path` or vLLM's JSON `{"name": ..., "path": ..., "base_model_name": ...}` -> (name, path)."""
+    spec = spec.strip()
+    if spec.startswith("{"):
+        try:
+            data = json.loads(spec)
+            return str(data["name"]), str(data["path"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"--lora-modules: bad JSON entry {spec!r} (needs name and path): {e}") from None
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules expects name=path or JSON, got {spec!r}")
+    return name, path
+
+
+class AdapterService:
+    def __init__(self, registry: AdapterRegistry, engine: AsyncEngine, roots: AdapterRoots, base_model: str):
+        self.registry, self.engine, self.roots, self.base_model = registry, engine, roots, base_model
+        self.cache = engine.engine.adapter_cache
+
+    # ---- registering ----------------------------------------------------------------------------------
+    async def validate(self, adapter_id: str, path: Path) -> LoRAWeights:
+        """The engine's full checks (base shapes, rank, modules, formats), off the event loop; 422 naming the
+        problem. A valid adapter stays in host memory: warm for its first request."""
+        try:
+            return await asyncio.to_thread(self.cache.load, LoRARequest(adapter_id, str(path)))
+        except AdapterError as e:
+            raise APIError(422, str(e), param="path", code="invalid_adapter") from None
+
+    async def register(
+        self,
+        name: str,
+        path: str,
+        version: str | None = None,
+        description: str | None = None,
+        owner: str | None = None,
+    ) -> Adapter:
+        for value, what in ((name, "name"), (version, "version")):
+            if value is not None:
+                try:
+                    check_name(value, what)
+                except ValueError as e:
+                    raise APIError(422, str(e), param=what) from None
+        if name == self.base_model:
+            raise APIError(422, f"'{name}' is the base model's name", param="name")
+        resolved = self.roots.resolve(path)
+        if version is not None and await self.registry.get(name, version, ALL_TENANTS) is not None:
+            raise APIError(409, f"adapter '{name}@{version}' is already registered", param="version", code="conflict")
+        version = version or await self.registry.next_version(name)
+        weights = await self.validate(f"{name}@{version}", resolved)
+        config = read_adapter_config(resolved, name)
+        row = Adapter(
+            name=name,
+            version=version,
+            path=str(resolved),
+            base_model=config.base_model_name_or_path or self.base_model,
+            rank=weights.rank,
+            alpha=float(config.lora_alpha),
+            target_modules=sorted(weights.target_modules),
+            digest=weights.digest,
+            size_bytes=sum(f.stat().st_size for f in resolved.iterdir() if f.is_file()),
+            owner=owner,
+            description=description,
+        )
+        try:
+            row = await self.registry.add(row)
+        except AdapterExists as e:
+            raise APIError(409, str(e), param="version", code="conflict") from None
+        logger.info("registered adapter '%s' (rank %d, %s) from %s", row.adapter_id, row.rank, row.digest[:19], path)
+        return row
+
+    async def ensure_registered(self, name: str, path: str) -> Adapter:
+        """`--lora-modules` at startup: idempotent; a changed directory (other path or other weights) becomes a
+        new version."""
+        self.roots.allow(path)
+        resolved = self.roots.resolve(path)
+        latest = await self.registry.get(name, None, ALL_TENANTS)
+        if latest is not None and latest.path == str(resolved):
+            weights = await self.validate(latest.adapter_id, resolved)
+            if weights.digest == latest.digest:
+                return latest
+            await self.evict(latest)
+        return await self.register(name, path)
+
+    # ---- serving --------------------------------------------------------------------------------------
+    async def choose(self, model: str, lora_name: str | None, tenant: str | None) -> ModelChoice:
+        """`model` = an adapter (name or name@version), or the base (+ `lora_request.lora_name`)."""
+        if model == self.base_model:
+            if lora_name is None:
+                return ModelChoice(model, None)
+            adapter = await self._visible(lora_name, tenant, param="lora_request.lora_name")
+            return ModelChoice(model, adapter)
+        if lora_name is not None:
+            raise APIError(400, "lora_request needs `model` to be the base model's name", param="lora_request")
+        return ModelChoice(model, await self._visible(model, tenant, param="model"))
+
+    async def _visible(self, model: str, tenant: str | None, param: str) -> Adapter:
+        name, version = split_adapter_id(model)
+        adapter = await self.registry.get(name, version, tenant)
+        if adapter is None:
+            error = model_not_found(model)
+            error.param = param
+            raise error
+        return adapter
+
+    # ---- the cache tiers --------------------------------------------------------------------------------
+    async def evict(self, adapter: Adapter) -> bool:
+        """Drops the adapter from host memory and its device row (at once, or when the requests using it
+        finish); returns whether it is still pinned by running requests."""
+        lora = lora_request(adapter)
+        return await self.engine.run_on_engine(lambda: self.cache.evict(lora))
+
+    async def delete(self, name: str, version: str | None, tenant: str | None = ALL_TENANTS) -> list[Adapter]:
+        rows = await self.registry.delete(name, version, tenant)
+        for row in rows:
+            pinned = await self.evict(row)
+            logger.info("deleted adapter '%s'%s", row.adapter_id, " (freed when its requests finish)" if pinned else "")
+        return rows
+
+    async def warm(self, adapter: Adapter) -> str:
+        """Loads into host memory, then onto a device row when one is free; returns the tier reached."""
+        lora = lora_request(adapter)
+        await self.validate(adapter.adapter_id, Path(adapter.path))
+
+        def activate() -> str:
+            row = self.cache.acquire(lora)
+            if row is not None:
+                self.cache.release(row)
+            return self.cache.tier(lora)
+
+        return await self.engine.run_on_engine(activate)
+
+    async def tier(self, adapter: Adapter) -> str:
+        lora = lora_request(adapter)
+        return await self.engine.run_on_engine(lambda: self.cache.tier(lora))

@@ -1,0 +1,124 @@
+"""build_app: the FastAPI application, its routers and error handlers, and the lifespan that starts (and
+cleanly stops) the registry, the engine and the services.
+
+Start-up order: the model directory (the embedded demo is built on first use) → database migrations →
+the engine (weights loaded, KV pool allocated) → `--lora-modules` registered (validated, idempotent) → ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from tqdm import tqdm
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from gateway.adapter_roots import AdapterRoots
+from gateway.adapter_service import AdapterService, parse_lora_module
+from gateway.chat_templates import ChatTemplates
+from gateway.errors import install_error_handlers
+from gateway.openai_serving import OpenAIServing
+from gateway.routes import admin_adapters, health, openai, vllm_adapters
+from gateway.routes.health import package_version
+from gateway.settings import DEMO_MODEL_NAME, ServeSettings
+from gateway.state import GatewayState
+from registry import db
+from registry.adapters import AdapterRegistry
+
+logger = logging.getLogger(__name__)
+
+
+def engine_config(settings: ServeSettings, model_dir: str) -> EngineConfig:
+    return EngineConfig(
+        model=model_dir,
+        dtype=settings.dtype,
+        device=settings.device,
+        kv_cache_memory=settings.kv_cache_bytes,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=settings.max_model_len,
+        enable_lora=True,
+        max_loras=settings.max_loras,
+        max_lora_rank=settings.max_lora_rank,
+        max_cpu_loras=settings.max_cpu_loras,
+        allow_pickle_adapters=settings.allow_pickle_adapters,
+        seed=settings.seed,
+    )
+
+
+def _model_and_modules(settings: ServeSettings) -> tuple[str, str, list[tuple[str, str]]]:
+    """(model directory, served name, lora modules); the demo brings its own three adapters."""
+    modules = [parse_lora_module(spec) for spec in settings.lora_modules]
+    if settings.is_demo:
+        from gateway.demo.model import build_demo_model, demo_adapters
+
+        model_dir = build_demo_model()
+        if not modules:
+            modules = [(name, str(path)) for name, path in demo_adapters(model_dir).items()]
+        return str(model_dir), settings.served_model_name or DEMO_MODEL_NAME, modules
+    if not Path(settings.model).is_dir():
+        raise FileNotFoundError(f"--model {settings.model!r} is not a directory")
+    return settings.model, settings.served_model_name or settings.model, modules
+
+
+async def start(settings: ServeSettings) -> GatewayState:
+    model_dir, base_model, modules = await asyncio.to_thread(_model_and_modules, settings)
+    await asyncio.to_thread(db.upgrade, settings.database_url)
+    database = db.create_engine(settings.database_url)
+    sessions = db.sessionmaker(database)
+    logger.info("loading %s", model_dir)
+    engine = await asyncio.to_thread(AsyncEngine.from_config, engine_config(settings, model_dir))
+    registry = AdapterRegistry(sessions)
+    adapters = AdapterService(registry, engine, AdapterRoots(settings.adapter_root), base_model)
+    for name, path in tqdm(modules, desc="registering adapters", unit="adapter", disable=not modules):
+        adapter = await adapters.ensure_registered(name, path)
+        logger.info("adapter '%s' ready (%s)", adapter.adapter_id, adapter.path)
+    serving = OpenAIServing(engine, adapters, ChatTemplates(engine.tokenizer, settings.chat_template))
+    state = GatewayState(
+        settings=settings,
+        base_model=base_model,
+        model_dir=model_dir,
+        engine=engine,
+        database=database,
+        sessions=sessions,
+        registry=registry,
+        adapters=adapters,
+        serving=serving,
+        auth_enabled=settings.auth_enabled,
+    )
+    if not state.auth_enabled:
+        logger.warning("authentication is OFF: /v1/* answers anyone (--no-disable-auth requires tenant keys)")
+    if not settings.admin_key:
+        logger.info("the admin API is disabled (no --admin-key)")
+    return state
+
+
+async def stop(state: GatewayState) -> None:
+    await asyncio.to_thread(state.engine.shutdown)
+    await state.database.dispose()
+    logger.info("loraplex stopped")
+
+
+def build_app(settings: ServeSettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.gateway = await start(settings)
+        try:
+            yield
+        finally:
+            await stop(app.state.gateway)
+
+    app = FastAPI(
+        title="loraplex",
+        version=package_version(),
+        description="Multi-LoRA serving: an OpenAI-compatible API over one base model and many adapters.",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    for module in (openai, vllm_adapters, admin_adapters, health):
+        app.include_router(module.router)
+    return app

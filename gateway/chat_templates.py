@@ -1,0 +1,79 @@
+"""Chat templates: which one a request uses, and rendering messages into the prompt text.
+
+Order: the request's own `chat_template` (vLLM's extra), then the adapter directory's (`chat_template.jinja`
+or `tokenizer_config.json`'s `chat_template`), then `--chat-template`, then the base tokenizer's.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from gateway.errors import APIError
+
+
+def read_template(value: str) -> str:
+    """`--chat-template` is a file path or the template itself."""
+    path = Path(value).expanduser()
+    return path.read_text() if len(value) < 4096 and path.is_file() else value
+
+
+@lru_cache(maxsize=1024)
+def adapter_template(adapter_path: str) -> str | None:
+    """An adapter directory's own template, if it ships one (a changed file is picked up by a re-register,
+    which gives a new path or a new version)."""
+    directory = Path(adapter_path)
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    config = directory / "tokenizer_config.json"
+    if config.is_file():
+        template = json.loads(config.read_text()).get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        return template or None
+    return None
+
+
+class ChatTemplates:
+    def __init__(self, tokenizer, server_template: str | None):
+        self.tokenizer = tokenizer
+        self.server_template = read_template(server_template) if server_template else None
+
+    def choose(self, adapter_path: str | None, request_template: str | None) -> str:
+        template = (
+            request_template
+            or (adapter_template(adapter_path) if adapter_path else None)
+            or self.server_template
+            or getattr(self.tokenizer, "chat_template", None)
+        )
+        if not template:
+            raise APIError(
+                400,
+                "this model has no chat template: start the server with --chat-template, or use /v1/completions",
+                param="messages",
+            )
+        return template
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        adapter_path: str | None,
+        request_template: str | None = None,
+        add_generation_prompt: bool = True,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        template = self.choose(adapter_path, request_template)
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(extra or {}),
+            )
+        except Exception as e:  # a template error is the request's (or the template's) problem, named
+            raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None

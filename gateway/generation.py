@@ -1,0 +1,156 @@
+"""Generation: the engine requests behind one HTTP request (one per prompt, each with its n samples).
+
+It merges their delta streams, keeps the usage (prompt, completion and cached prompt tokens), aborts
+everything still running when the client goes away or an error ends the request, and reports the usage
+once, at the end, whatever the ending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from adapters import AdapterError
+from engine.async_engine import AsyncEngine
+from engine.outputs import RequestOutput
+from engine.request import EngineRequest
+from gateway.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+UsageCallback = Callable[[Usage, bool], Awaitable[None]]  # (usage, completed) once per generation
+
+
+def engine_error(error: Exception) -> APIError:
+    """A request's failure inside the engine, as the client sees it."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, AdapterError):
+        return APIError(422, str(error), param="model", code="adapter_load_failed")
+    if isinstance(error, ValueError):
+        message = str(error)
+        param = "max_tokens" if "context length" in message else "prompt"
+        return APIError(400, message, param=param)
+    logger.exception("request failed in the engine", exc_info=error)
+    return APIError(500, f"the engine failed this request: {type(error).__name__}: {error}")
+
+
+class Generation:
+    def __init__(self, engine: AsyncEngine, requests: list[EngineRequest], on_done: UsageCallback | None = None):
+        self.engine, self.requests, self.on_done = engine, requests, on_done
+        self.usage = Usage(prompt_tokens=sum(len(r.prompt_token_ids) for r in requests))
+        self._cached = [0] * len(requests)
+        self._finished = [False] * len(requests)
+        self._reported = False
+
+    def validate(self) -> None:
+        """The engine's own checks (prompt length, vocabulary), before anything starts."""
+        for request in self.requests:
+            try:
+                self.engine.engine.validate(request)
+            except ValueError as e:
+                raise engine_error(e) from None
+
+    @property
+    def completed(self) -> bool:
+        return all(self._finished)
+
+    async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, delta) as the engine makes them; usage reported when the iteration ends."""
+        try:
+            async for i, out in self._merged():
+                self.usage.completion_tokens += out.num_completion_tokens
+                self._cached[i] = out.num_cached_tokens
+                self._finished[i] = out.finished
+                yield i, out
+        except Exception as e:
+            raise engine_error(e) from None
+        finally:
+            self.usage.cached_tokens = sum(self._cached)
+            await self.report()
+
+    async def report(self) -> None:
+        if self._reported or self.on_done is None:
+            return
+        self._reported = True
+        await asyncio.shield(self.on_done(self.usage, self.completed))
+
+    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if len(self.requests) == 1:
+            async for out in self.engine.generate(self.requests[0]):
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, request: EngineRequest) -> None:
+            try:
+                async for out in self.engine.generate(request):
+                    queue.put_nowait((i, out))
+                queue.put_nowait((i, None))
+            except Exception as e:
+                queue.put_nowait((i, e))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(self.requests)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # each cancelled stream aborts its request
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def until_disconnect(request: Request, work: Awaitable):
+    """Awaits `work` unless the client disconnects first; then cancels it (aborting its engine requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def listen() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(listen())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if task not in done:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise ClientDisconnected
+    return task.result()

@@ -1,0 +1,260 @@
+"""OpenAIServing: `/v1/completions` and `/v1/chat/completions`, streaming (SSE) and not.
+
+Each call: choose the model (base or adapter, visible to the tenant) → tokenize (chat: render the template)
+→ build one EngineRequest per prompt → run a `Generation` → format OpenAI's response or chunks. Errors that
+happen before the first token are proper 4xx responses: a stream is primed with its first delta before the
+response starts.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+
+from engine.async_engine import AsyncEngine
+from engine.outputs import RequestOutput
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
+from gateway.adapter_service import AdapterService, ModelChoice
+from gateway.chat_templates import ChatTemplates
+from gateway.errors import APIError, error_body
+from gateway.generation import Generation, UsageCallback, until_disconnect
+from gateway.openai_format import SSE_DONE, TokenText, chat_logprobs, completion_logprobs, new_id, now, sse
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+
+@dataclass(slots=True)
+class Caller:
+    """Who is asking (None when auth is off) and what to call once the request is over."""
+
+    tenant: str | None = None
+    on_done: UsageCallback | None = None
+
+
+@dataclass(slots=True)
+class _Choice:
+    text: str = ""
+    token_ids: list[int] | None = None
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, adapters: AdapterService, chat_templates: ChatTemplates):
+        self.engine, self.adapters, self.chat_templates = engine, adapters, chat_templates
+        self.tokenizer = engine.tokenizer
+        self.token_text = TokenText(self.tokenizer)
+
+    # ---- shared --------------------------------------------------------------------------------------
+    async def _choose(self, body: SamplingFields, caller: Caller) -> ModelChoice:
+        lora_name = body.lora_request.lora_name if body.lora_request else None
+        return await self.adapters.choose(body.model, lora_name, caller.tenant)
+
+    def _generation(
+        self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams, choice, caller
+    ) -> Generation:
+        requests = [
+            EngineRequest(
+                request_id=f"{request_id}-{i}",
+                prompt_token_ids=ids,
+                sampling=copy.copy(params),
+                lora=choice.lora,
+                tenant=caller.tenant,
+                prompt=text,
+            )
+            for i, (text, ids) in enumerate(prompts)
+        ]
+        generation = Generation(self.engine, requests, caller.on_done)
+        generation.validate()
+        return generation
+
+    @staticmethod
+    async def _primed(generation: Generation) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Starts the generation and waits for its first delta, so that an early failure is a plain 4xx."""
+        stream = generation.stream()
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await stream.aclose()
+            raise
+
+        async def resumed() -> AsyncIterator[tuple[int, RequestOutput]]:
+            try:
+                if first is not None:
+                    yield first
+                async for item in stream:
+                    yield item
+            finally:
+                await stream.aclose()
+
+        return resumed()
+
+    @staticmethod
+    def _collect(choices: dict[int, _Choice], index: int, delta) -> None:
+        choice = choices.setdefault(index, _Choice(token_ids=[]))
+        choice.text += delta.text
+        choice.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            choice.logprobs = (choice.logprobs or []) + delta.logprobs
+        if delta.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+
+    async def _run(self, generation: Generation, n: int) -> dict[int, _Choice]:
+        choices: dict[int, _Choice] = {}
+        async for i, out in generation.stream():
+            for delta in out.outputs:
+                self._collect(choices, i * n + delta.index, delta)
+        return choices
+
+    @staticmethod
+    def _stream_response(chunks: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @staticmethod
+    async def _error_chunk(error: APIError) -> str:
+        return sse(error_body(error.status_code, error.message, error.param, error.code))
+
+    # ---- completions ---------------------------------------------------------------------------------
+    def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return [(p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompt]
+
+    async def completions(self, body: CompletionRequest, raw: Request, caller: Caller):
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        choice = await self._choose(body, caller)
+        request_id = new_id("cmpl")
+        generation = self._generation(request_id, self._completion_prompts(body.prompt), params, choice, caller)
+        head = {"id": request_id, "object": "text_completion", "created": now(), "model": choice.model}
+        if body.stream:
+            stream = await self._primed(generation)
+            return self._stream_response(self._completion_chunks(stream, generation, head, body))
+        choices = await until_disconnect(raw, self._run(generation, body.n))
+        return JSONResponse(
+            {
+                **head,
+                "choices": [
+                    {
+                        "index": index,
+                        "text": c.text,
+                        "logprobs": completion_logprobs(c.logprobs, self.token_text)
+                        if c.logprobs is not None
+                        else None,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                    for index, c in sorted(choices.items())
+                ],
+                "usage": generation.usage.to_dict(),
+            }
+        )
+
+    async def _completion_chunks(self, stream, generation: Generation, head: dict, body: CompletionRequest):
+        offsets: dict[int, int] = {}
+        try:
+            async for i, out in stream:
+                for delta in out.outputs:
+                    if not delta.text and delta.finish_reason is None and not delta.logprobs:
+                        continue
+                    index = i * body.n + delta.index
+                    logprobs = None
+                    if delta.logprobs is not None:
+                        logprobs = completion_logprobs(delta.logprobs, self.token_text, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + len(delta.text)
+                    chunk = {
+                        **head,
+                        "choices": [
+                            {
+                                "index": index,
+                                "text": delta.text,
+                                "logprobs": logprobs,
+                                "finish_reason": delta.finish_reason,
+                                "stop_reason": delta.stop_reason,
+                            }
+                        ],
+                    }
+                    if body.stream_options and body.stream_options.continuous_usage_stats:
+                        chunk["usage"] = generation.usage.to_dict()
+                    yield sse(chunk)
+            if body.include_usage:
+                yield sse({**head, "choices": [], "usage": generation.usage.to_dict()})
+        except APIError as e:
+            yield await self._error_chunk(e)
+        yield SSE_DONE
+
+    # ---- chat ----------------------------------------------------------------------------------------
+    async def chat(self, body: ChatCompletionRequest, raw: Request, caller: Caller):
+        params = body.sampling_params(body.requested_max_tokens, body.requested_logprobs)
+        choice = await self._choose(body, caller)
+        messages = [
+            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
+        ]
+        text = self.chat_templates.render(
+            messages,
+            choice.adapter.path if choice.adapter is not None else None,
+            body.chat_template,
+            body.add_generation_prompt,
+            body.chat_template_kwargs,
+        )
+        ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
+        request_id = new_id("chatcmpl")
+        generation = self._generation(request_id, [(text, ids)], params, choice, caller)
+        if body.stream:
+            head = {"id": request_id, "object": "chat.completion.chunk", "created": now(), "model": choice.model}
+            stream = await self._primed(generation)
+            return self._stream_response(self._chat_chunks(stream, generation, head, body))
+        choices = await until_disconnect(raw, self._run(generation, body.n))
+        return JSONResponse(
+            {
+                "id": request_id,
+                "object": "chat.completion",
+                "created": now(),
+                "model": choice.model,
+                "choices": [
+                    {
+                        "index": index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": chat_logprobs(c.logprobs, self.token_text) if c.logprobs is not None else None,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                    for index, c in sorted(choices.items())
+                ],
+                "usage": generation.usage.to_dict(),
+            }
+        )
+
+    async def _chat_chunks(self, stream, generation: Generation, head: dict, body: ChatCompletionRequest):
+        def chunk(index: int, delta: dict, finish_reason=None, logprobs=None) -> str:
+            data = {
+                **head,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+            }
+            if body.stream_options and body.stream_options.continuous_usage_stats:
+                data["usage"] = generation.usage.to_dict()
+            return sse(data)
+
+        try:
+            for index in range(body.n):
+                yield chunk(index, {"role": "assistant", "content": ""})
+            async for _, out in stream:
+                for delta in out.outputs:
+                    if not delta.text and delta.finish_reason is None and not delta.logprobs:
+                        continue
+                    logprobs = chat_logprobs(delta.logprobs, self.token_text) if delta.logprobs is not None else None
+                    content = {"content": delta.text} if delta.text else {}
+                    yield chunk(delta.index, content, delta.finish_reason, logprobs)
+            if body.include_usage:
+                yield sse({**head, "choices": [], "usage": generation.usage.to_dict()})
+        except APIError as e:
+            yield await self._error_chunk(e)
+        yield SSE_DONE

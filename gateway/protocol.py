@@ -1,0 +1,165 @@
+"""The OpenAI-compatible request bodies (with vLLM's sampling extras) and their mapping to SamplingParams.
+
+Fields follow OpenAI's API reference; vLLM's extras (top_k, min_p, repetition_penalty, ignore_eos, ...) and
+TensorRT-LLM's `lora_request` are accepted in the body. Unknown fields are ignored, as OpenAI's servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling_params import SamplingParams
+from gateway.errors import APIError
+
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class LoRASelection(BaseModel):
+    lora_name: str
+    lora_int_id: int | None = None
+    lora_path: str | None = None  # accepted for compatibility; the registry decides the path
+
+
+class SamplingFields(BaseModel):
+    """The sampling knobs shared by completions and chat."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: NonNegInt = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    lora_request: LoRASelection | None = None  # TensorRT-LLM's form; `model` then names the base
+
+    def _unsupported(self) -> None:
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises a 400 naming the parameter when a value is out of range."""
+        self._unsupported()
+        values: dict[str, Any] = {
+            "n": self.n,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        values = {k: v for k, v in values.items() if v is not None}
+        if values.get("top_k") == 0:
+            values["top_k"] = -1
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            return SamplingParams(
+                **values,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=stop,
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as e:
+            message = str(e)
+            param = message.split("'")[1] if message.startswith("invalid sampling parameter '") else None
+            raise APIError(400, message, param=param) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def _unsupported(self) -> None:
+        super()._unsupported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of must equal n (beam-free sampling)", param="best_of")
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for part in self.content:
+            if part.type != "text":
+                raise APIError(400, f"message content of type '{part.type}' is not supported", param="messages")
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None  # vLLM's per-request override
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def _unsupported(self) -> None:
+        super()._unsupported()
+        if self.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

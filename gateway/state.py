@@ -1,0 +1,40 @@
+"""GatewayState: the one object a running server holds (settings, engine, registry, services), and the
+FastAPI dependency that hands it to routes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy.ext.asyncio import AsyncEngine as DatabaseEngine
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from engine.async_engine import AsyncEngine
+from gateway.adapter_service import AdapterService
+from gateway.openai_serving import OpenAIServing
+from gateway.settings import ServeSettings
+from registry.adapters import AdapterRegistry
+
+
+@dataclass
+class GatewayState:
+    settings: ServeSettings
+    base_model: str  # the name clients use for the base
+    model_dir: str
+    engine: AsyncEngine
+    database: DatabaseEngine
+    sessions: async_sessionmaker
+    registry: AdapterRegistry
+    adapters: AdapterService
+    serving: OpenAIServing
+    auth_enabled: bool
+    started_at: float = field(default_factory=time.time)
+
+
+def get_state(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+StateDep = Annotated[GatewayState, Depends(get_state)]

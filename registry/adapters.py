@@ -1,0 +1,102 @@
+"""AdapterRegistry: register, resolve, list and delete adapters (name@version), with tenant visibility.
+
+Visibility: a tenant sees public adapters (owner None) and its own; `ALL_TENANTS` (the admin) sees every
+adapter. "Latest" is the most recently registered version of a name.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+from sqlalchemy import Select, delete, or_, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from registry.models import Adapter
+
+ALL_TENANTS: Final = "*"  # the admin's view: every adapter, public or owned
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}")
+VERSION_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
+
+
+class AdapterExists(Exception):
+    """name@version is already registered."""
+
+
+def check_name(name: str, what: str = "name") -> None:
+    pattern = NAME_PATTERN if what == "name" else VERSION_PATTERN
+    if not pattern.fullmatch(name or ""):
+        raise ValueError(
+            f"invalid adapter {what} {name!r}: use letters, digits and . _ - + (and : in names), "
+            f"starting with a letter or digit, at most {128 if what == 'name' else 64} characters"
+        )
+
+
+def split_adapter_id(model: str) -> tuple[str, str | None]:
+    """'name@version' -> (name, version); 'name' -> (name, None)."""
+    name, sep, version = model.rpartition("@")
+    return (name, version) if sep and name else (model, None)
+
+
+class AdapterRegistry:
+    def __init__(self, sessions: async_sessionmaker):
+        self.sessions = sessions
+
+    @staticmethod
+    def _visible(query: Select, tenant: str | None) -> Select:
+        if tenant == ALL_TENANTS:
+            return query
+        if tenant is None:
+            return query.where(Adapter.owner.is_(None))
+        return query.where(or_(Adapter.owner.is_(None), Adapter.owner == tenant))
+
+    async def add(self, adapter: Adapter) -> Adapter:
+        """Inserts a new name@version; raises AdapterExists when it is taken."""
+        async with self.sessions() as session:
+            session.add(adapter)
+            try:
+                await session.commit()
+            except IntegrityError as e:
+                await session.rollback()
+                if await self.get(adapter.name, adapter.version, ALL_TENANTS) is not None:
+                    raise AdapterExists(f"adapter '{adapter.adapter_id}' is already registered") from e
+                raise
+        return adapter
+
+    async def next_version(self, name: str) -> str:
+        """One more than the highest numeric version of `name` ("1" for a new name)."""
+        async with self.sessions() as session:
+            versions = (await session.scalars(select(Adapter.version).where(Adapter.name == name))).all()
+        return str(max((int(v) for v in versions if v.isdigit()), default=0) + 1)
+
+    async def get(self, name: str, version: str | None, tenant: str | None) -> Adapter | None:
+        """The adapter `name@version` (the latest version when None) if `tenant` may see it."""
+        query = self._visible(select(Adapter).where(Adapter.name == name), tenant)
+        if version is not None:
+            query = query.where(Adapter.version == version)
+        async with self.sessions() as session:
+            return (await session.scalars(query.order_by(Adapter.id.desc()).limit(1))).first()
+
+    async def list(self, tenant: str | None, name: str | None = None, latest_only: bool = False) -> list[Adapter]:
+        """Adapters `tenant` may see, by name then registration order (only each name's latest if asked)."""
+        query = self._visible(select(Adapter), tenant)
+        if name is not None:
+            query = query.where(Adapter.name == name)
+        async with self.sessions() as session:
+            rows = (await session.scalars(query.order_by(Adapter.name, Adapter.id))).all()
+        if latest_only:
+            return list({row.name: row for row in rows}.values())
+        return list(rows)
+
+    async def delete(self, name: str, version: str | None, tenant: str | None) -> list[Adapter]:
+        """Deletes every version of `name` (or one) that `tenant` may see; returns what was deleted."""
+        async with self.sessions() as session:
+            query = self._visible(select(Adapter).where(Adapter.name == name), tenant)
+            if version is not None:
+                query = query.where(Adapter.version == version)
+            rows = list((await session.scalars(query)).all())
+            if rows:
+                await session.execute(delete(Adapter).where(Adapter.id.in_([row.id for row in rows])))
+                await session.commit()
+        return rows

@@ -1,0 +1,193 @@
+"""End to end through a real socket with the real `openai` client: completions and chat, streaming and not,
+three adapters and the base interleaved concurrently, each text identical to the offline engine (greedy)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import httpx
+import openai
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from adapters.ref import LoRARequest
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from gateway.settings import ServeSettings
+from tests.gateway_server import ServerThread
+from tests.hf_models import make_model
+
+ADMIN_KEY = "test-admin-key"
+BASE = "tiny-llama"
+ADAPTERS = ("sql", "poem", "chat")
+MAX_TOKENS = 12
+EXACT = {"ignore_eos": True}  # exact token counts
+PROMPTS = ["Alice was beginning to get very tired", "It was the best of times", "Call me Ishmael.", "The rabbit"]
+
+
+def make_adapter(hf_model, directory, seed: int, r: int = 8, targets="all-linear") -> str:
+    torch.manual_seed(seed)
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False)
+    get_peft_model(hf_model, config).save_pretrained(str(directory))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tokenizer):
+    """A random tiny Llama and three random adapters (ranks 4, 8, 16) on disk."""
+    root = tmp_path_factory.mktemp("gateway")
+    hf = make_model(root / "base", tokenizer, "llama")
+    adapters = {
+        name: make_adapter(copy.deepcopy(hf), root / "adapters" / name, seed=i + 1, r=r)
+        for i, (name, r) in enumerate(zip(ADAPTERS, (4, 8, 16)))
+    }
+    return root, hf, adapters
+
+
+def settings_for(root, adapters: dict[str, str], **overrides) -> ServeSettings:
+    values = {
+        "model": str(root / "base"),
+        "served_model_name": BASE,
+        "lora_modules": [f"{name}={path}" for name, path in adapters.items()],
+        "database_url": f"sqlite:///{root / 'registry.db'}",
+        "admin_key": ADMIN_KEY,
+        "disable_auth": True,
+        "device": "cpu",
+        "max_loras": 2,  # fewer rows than adapters: rows turn over while requests run
+        "kv_cache_memory": "64MiB",
+        **overrides,
+    }
+    return ServeSettings(**values)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    root, _, adapters = tiny
+    with ServerThread(settings_for(root, adapters)) as running:
+        yield running
+
+
+def client(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def sync_client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def offline_texts(tiny, jobs: list[tuple[str | None, list[int]]]) -> list[tuple[str, int]]:
+    """(text, completion tokens) from the offline engine, greedy, for (adapter name, prompt ids) jobs."""
+    root, _, adapters = tiny
+    llm = LLM(model=str(root / "base"), enable_lora=True, max_loras=4, device="cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    loras = [LoRARequest(name, adapters[name]) if name else None for name, _ in jobs]
+    outs = llm.generate([{"prompt_token_ids": ids} for _, ids in jobs], params, lora_request=loras)
+    return [(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in outs]
+
+
+def assert_idle(server) -> None:
+    engine = server.state.engine.engine
+    assert not engine.groups
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.adapter_cache.num_pinned == 0
+
+
+def test_interleaved_adapters_stream_and_not_match_the_offline_engine(server, tiny, tokenizer):
+    """16 concurrent requests: {base, sql, poem, chat} x {completions, chat} x {stream, not}; the base is
+    also reached with TensorRT-LLM's `lora_request` form for one adapter."""
+    api = client(server)
+    jobs, calls = [], []
+    for i, adapter in enumerate([None, *ADAPTERS]):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        messages = [{"role": "user", "content": prompt}]
+        chat_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        for kind, ids in (
+            ("completion", tokenizer.encode(prompt)),
+            ("chat", tokenizer.encode(chat_text, add_special_tokens=False)),
+        ):
+            for stream in (False, True):
+                jobs.append((adapter, ids))
+                model, extra = (adapter or BASE), {}
+                if adapter == "poem" and stream:
+                    model, extra = BASE, {"lora_request": {"lora_name": "poem"}}
+                calls.append((kind, model, prompt if kind == "completion" else messages, stream, extra))
+
+    async def run(kind, model, prompt, stream, extra) -> tuple[str, dict]:
+        common = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0.0, "extra_body": extra}
+        if stream:
+            common["stream"], common["stream_options"] = True, {"include_usage": True}
+        if kind == "completion":
+            response = await api.completions.create(prompt=prompt, **common)
+        else:
+            response = await api.chat.completions.create(messages=prompt, **common)
+        if not stream:
+            choice = response.choices[0]
+            return (choice.text if kind == "completion" else choice.message.content), response.usage
+        text, usage = "", None
+        async for chunk in response:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for c in chunk.choices:
+                assert chunk.model == model
+                text += (c.text if kind == "completion" else c.delta.content) or ""
+        return text, usage
+
+    async def run_all():
+        return await asyncio.gather(*(run(*call) for call in calls))
+
+    results = asyncio.run(run_all())
+    expected = offline_texts(tiny, jobs)
+    for call, (text, usage), (want, num_tokens), (_, ids) in zip(calls, results, expected, jobs):
+        assert text == want, call
+        assert usage.completion_tokens == num_tokens and usage.prompt_tokens == len(ids), call
+    assert {a for a, _ in jobs} == {None, *ADAPTERS}
+    assert_idle(server)
+
+
+def test_models_lists_the_base_and_adapters_with_parent(server):
+    models = sync_client(server).models.list().data
+    assert models[0].id == BASE and models[0].parent is None
+    assert {m.id for m in models[1:]} == set(ADAPTERS)
+    assert all(m.parent == BASE for m in models[1:])
+
+
+def test_n_samples_and_several_prompts_and_logprobs(server, tokenizer):
+    api = sync_client(server)
+    response = api.completions.create(
+        model="sql", prompt=PROMPTS[:2], n=3, max_tokens=5, temperature=1.0, seed=7, logprobs=2, extra_body=EXACT
+    )
+    assert sorted(c.index for c in response.choices) == list(range(6))
+    for c in response.choices:
+        assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == 5
+        assert all(len(top) >= 2 for top in c.logprobs.top_logprobs)
+    assert response.usage.completion_tokens == 30
+    assert response.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in PROMPTS[:2])
+    chat = api.chat.completions.create(
+        model="poem",
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body=EXACT,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_its_request(server):
+    body = {"model": "sql", "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    engine = server.state.engine.engine
+    for _ in range(200):  # the abort reaches the engine thread within a few steps
+        if not engine.groups:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert_idle(server)
+    assert engine.stats.num_generated_tokens > 0
+    again = sync_client(server).completions.create(model="sql", prompt="x", max_tokens=3, extra_body=EXACT)
+    assert again.usage.completion_tokens == 3  # the engine thread lives on
