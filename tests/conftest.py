@@ -33,3 +33,7 @@ def demo_model_dir(tmp_path_factory):
     from gateway.demo.model import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("demo") / "model")
+
+
+# Real PostgreSQL and Redis for integration tests: postgres_url, redis_url, redis_key_prefix (see tests/services.py).
+from tests.services import postgres_url, redis_key_prefix, redis_url  # noqa: E402, F401

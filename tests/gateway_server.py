@@ -60,7 +60,7 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         command = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", "0", *self.args]
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        self.log = open(self.log_path, "a")  # noqa: SIM115 (closed in __exit__)
+        self.log = open(self.log_path, "a")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + START_TIMEOUT_S
         while self.url is None:
