@@ -37,3 +37,16 @@ def demo_model_dir(tmp_path_factory):
 
 # Real PostgreSQL and Redis for integration tests: postgres_url, redis_url, redis_key_prefix (see tests/services.py).
 from tests.services import postgres_url, redis_key_prefix, redis_url  # noqa: E402, F401
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def registry_url(request, tmp_path_factory):
+    """A fresh, empty registry database: a SQLite file, then a database on a real PostgreSQL server."""
+    from tests.services import create_database, drop_database, ensure_postgres
+
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('registry') / 'registry.db'}"
+        return
+    url = create_database(ensure_postgres())
+    yield url
+    drop_database(url)

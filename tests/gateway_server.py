@@ -3,6 +3,7 @@ subprocess (for restarts and signals). Both listen on 127.0.0.1 with a port the 
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import signal
@@ -12,9 +13,15 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+from peft import LoraConfig, get_peft_model
+
 from gateway.server import make_server
 from gateway.settings import ServeSettings
+from tests.hf_models import make_model
 
+ADMIN_KEY = "test-admin-key"
+BASE = "tiny-llama"
 READY = re.compile(r"loraplex ready at (http://\S+)")
 START_TIMEOUT_S = 180
 
@@ -80,3 +87,36 @@ class ServerProcess:
         if self.process is not None and self.process.poll() is None:
             self.stop()
         self.log.close()
+
+
+def make_adapter(hf_model, directory, seed: int, r: int = 8, targets="all-linear") -> str:
+    """A random PEFT LoRA (B != 0) on `hf_model`, saved to `directory`."""
+    torch.manual_seed(seed)
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False)
+    get_peft_model(copy.deepcopy(hf_model), config).save_pretrained(str(directory))
+    return str(directory)
+
+
+def build_tiny(root: Path, tokenizer, ranks: dict[str, int]):
+    """A random tiny Llama in root/base and one random adapter per name in root/adapters/NAME."""
+    hf = make_model(root / "base", tokenizer, "llama")
+    adapters = {
+        name: make_adapter(hf, root / "adapters" / name, seed=i + 1, r=r) for i, (name, r) in enumerate(ranks.items())
+    }
+    return root, hf, adapters
+
+
+def settings_for(root: Path, adapters: dict[str, str], **overrides) -> ServeSettings:
+    values = {
+        "model": str(root / "base"),
+        "served_model_name": BASE,
+        "lora_modules": [f"{name}={path}" for name, path in adapters.items()],
+        "database_url": f"sqlite:///{root / 'registry.db'}",
+        "admin_key": ADMIN_KEY,
+        "disable_auth": True,
+        "device": "cpu",
+        "max_loras": 2,  # fewer rows than adapters: rows turn over while requests run
+        "kv_cache_memory": "64MiB",
+        **overrides,
+    }
+    return ServeSettings(**values)

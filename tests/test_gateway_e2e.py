@@ -4,62 +4,26 @@ three adapters and the base interleaved concurrently, each text identical to the
 from __future__ import annotations
 
 import asyncio
-import copy
 
 import httpx
 import openai
 import pytest
-import torch
-from peft import LoraConfig, get_peft_model
 
 from adapters.ref import LoRARequest
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from gateway.settings import ServeSettings
-from tests.gateway_server import ServerThread
-from tests.hf_models import make_model
+from tests.gateway_server import BASE, ServerThread, build_tiny, settings_for
 
-ADMIN_KEY = "test-admin-key"
-BASE = "tiny-llama"
 ADAPTERS = ("sql", "poem", "chat")
 MAX_TOKENS = 12
 EXACT = {"ignore_eos": True}  # exact token counts
 PROMPTS = ["Alice was beginning to get very tired", "It was the best of times", "Call me Ishmael.", "The rabbit"]
 
 
-def make_adapter(hf_model, directory, seed: int, r: int = 8, targets="all-linear") -> str:
-    torch.manual_seed(seed)
-    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False)
-    get_peft_model(hf_model, config).save_pretrained(str(directory))
-    return str(directory)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, tokenizer):
     """A random tiny Llama and three random adapters (ranks 4, 8, 16) on disk."""
-    root = tmp_path_factory.mktemp("gateway")
-    hf = make_model(root / "base", tokenizer, "llama")
-    adapters = {
-        name: make_adapter(copy.deepcopy(hf), root / "adapters" / name, seed=i + 1, r=r)
-        for i, (name, r) in enumerate(zip(ADAPTERS, (4, 8, 16)))
-    }
-    return root, hf, adapters
-
-
-def settings_for(root, adapters: dict[str, str], **overrides) -> ServeSettings:
-    values = {
-        "model": str(root / "base"),
-        "served_model_name": BASE,
-        "lora_modules": [f"{name}={path}" for name, path in adapters.items()],
-        "database_url": f"sqlite:///{root / 'registry.db'}",
-        "admin_key": ADMIN_KEY,
-        "disable_auth": True,
-        "device": "cpu",
-        "max_loras": 2,  # fewer rows than adapters: rows turn over while requests run
-        "kv_cache_memory": "64MiB",
-        **overrides,
-    }
-    return ServeSettings(**values)
+    return build_tiny(tmp_path_factory.mktemp("gateway"), tokenizer, dict(zip(ADAPTERS, (4, 8, 16))))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,136 @@
+"""Every documented error path of the OpenAI surface returns its status with an OpenAI-style body, and the
+server keeps serving; chat templates: the adapter's own wins, a model without one gets a clear 400."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+
+from tests.gateway_server import BASE, ServerThread, build_tiny, settings_for
+from tests.test_gateway_admin import assert_openai_error, assert_still_serving
+
+ADAPTER_TEMPLATE = "{% for m in messages %}{{ m['content'] | upper }} || {% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tokenizer):
+    root, hf, adapters = build_tiny(tmp_path_factory.mktemp("errors"), tokenizer, {"sql": 8, "templated": 4})
+    (root / "adapters" / "templated" / "chat_template.jinja").write_text(ADAPTER_TEMPLATE)
+    # a second base whose tokenizer has no chat template
+    shutil.copytree(root / "base", root / "plain-base")
+    config_path = root / "plain-base" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)
+    config_path.write_text(json.dumps(config))
+    for extra in (root / "plain-base").glob("chat_template.*"):
+        extra.unlink()
+    return root, hf, adapters
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    root, _, adapters = tiny
+    with ServerThread(settings_for(root, adapters, max_model_len=64)) as running:
+        yield running
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3}
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "text"),
+    [
+        ({"model": "nope", "prompt": "x"}, 404, "model", "does not exist"),
+        ({"model": BASE, "prompt": "x", "lora_request": {"lora_name": "nope"}}, 404, "lora_request.lora_name", ""),
+        ({"model": "sql", "prompt": "x", "lora_request": {"lora_name": "sql"}}, 400, "lora_request", "base"),
+        ({"model": "sql", "prompt": "x", "temperature": -1}, 400, "temperature", "non-negative"),
+        ({"model": "sql", "prompt": "x", "top_p": 1.5}, 400, "top_p", ""),
+        ({"model": "sql", "prompt": "x", "top_k": -5}, 400, "top_k", ""),
+        ({"model": "sql", "prompt": "x", "min_p": 2}, 400, "min_p", ""),
+        ({"model": "sql", "prompt": "x", "n": 0}, 400, "n", ""),
+        ({"model": "sql", "prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", ""),
+        ({"model": "sql", "prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty", ""),
+        ({"model": "sql", "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", ""),
+        ({"model": "sql", "prompt": "x", "max_tokens": 0}, 400, "max_tokens", ""),
+        ({"model": "sql", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "integer"),
+        ({"model": "sql", "prompt": "x", "logprobs": 50}, 400, "logprobs", ""),
+        ({"model": "sql", "prompt": "x", "stop": [""]}, 400, "stop", ""),
+        ({"model": "sql", "prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
+        ({"model": "sql", "prompt": "x", "echo": True}, 400, "echo", ""),
+        ({"model": "sql", "prompt": "x " * 80}, 400, "max_tokens", "maximum context length"),
+        ({"model": "sql", "prompt": "x", "max_tokens": 100}, 400, "max_tokens", "maximum context length"),
+        ({"model": "sql", "prompt": ""}, 400, "prompt", "empty"),
+        ({"model": "sql", "prompt": []}, 400, "prompt", "empty"),
+        ({"model": "sql", "prompt": [10**9]}, 400, "prompt", "vocabulary"),
+        ({"prompt": "x"}, 400, "model", "required"),
+        ({"model": "sql"}, 400, "prompt", "required"),
+    ],
+)
+def test_completions_errors(http, body, status, param, text):
+    for stream in (False, True):
+        assert_openai_error(http.post("/v1/completions", json={**body, "stream": stream}), status, param, text)
+    assert_still_serving(http)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "text"),
+    [
+        ({"model": "sql", "messages": []}, 400, "messages", ""),
+        ({"model": "sql", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role", ""),
+        ({**CHAT, "model": "sql", "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+        ({**CHAT, "model": "sql", "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
+        (
+            {"model": "sql", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            400,
+            "messages",
+            "image_url",
+        ),
+        ({**CHAT, "model": "sql", "chat_template": "{{ broken"}, 400, "messages", "chat template"),
+        ({**CHAT, "model": "missing"}, 404, "model", ""),
+    ],
+)
+def test_chat_errors(http, body, status, param, text):
+    assert_openai_error(http.post("/v1/chat/completions", json=body), status, param, text)
+    assert_still_serving(http)
+
+
+def test_malformed_json_and_unknown_routes(http):
+    response = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert_openai_error(response, 400, text="not valid JSON")
+    assert_openai_error(http.get("/v1/nothing-here"), 404, text="no route")
+    assert_openai_error(http.get("/v1/completions"), 405)
+    assert_still_serving(http)
+
+
+def test_the_adapter_directory_template_wins(http, tokenizer):
+    templated = http.post("/v1/chat/completions", json={**CHAT, "model": "templated"}).json()
+    plain = http.post("/v1/chat/completions", json={**CHAT, "model": "sql"}).json()
+    expected_adapter = len(tokenizer.encode("HELLO THERE || ", add_special_tokens=False))
+    base_text = tokenizer.apply_chat_template(CHAT["messages"], tokenize=False, add_generation_prompt=True)
+    assert templated["usage"]["prompt_tokens"] == expected_adapter
+    assert plain["usage"]["prompt_tokens"] == len(tokenizer.encode(base_text, add_special_tokens=False))
+
+
+def test_a_model_without_a_chat_template_gets_a_clear_400(tiny):
+    root = tiny[0]
+    settings = settings_for(root, {}, model=str(root / "plain-base"), database_url=f"sqlite:///{root / 'plain.db'}")
+    with ServerThread(settings) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        assert_openai_error(
+            http.post("/v1/chat/completions", json={**CHAT, "model": BASE}), 400, "messages", "--chat-template"
+        )
+        assert http.post("/v1/completions", json={"model": BASE, "prompt": "x", "max_tokens": 2}).status_code == 200
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    with (
+        ServerThread(settings.model_copy(update={"chat_template": template})) as server,
+        httpx.Client(base_url=server.url, timeout=60) as http,
+    ):
+        assert http.post("/v1/chat/completions", json={**CHAT, "model": BASE}).status_code == 200

@@ -1,0 +1,100 @@
+"""The registry on SQLite and on a real PostgreSQL: migrations, name@version uniqueness, latest version,
+tenant visibility, deletion."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from sqlalchemy import inspect
+
+from registry import db
+from registry.adapters import ALL_TENANTS, AdapterExists, AdapterRegistry, check_name, split_adapter_id
+from registry.models import Adapter, Tenant
+
+
+def row(name: str, version: str, owner: str | None = None) -> Adapter:
+    return Adapter(
+        name=name,
+        version=version,
+        path=f"/adapters/{name}/{version}",
+        base_model="base",
+        rank=8,
+        alpha=16.0,
+        target_modules=["q_proj", "v_proj"],
+        digest=f"sha256:{name}{version}",
+        size_bytes=1234,
+        owner=owner,
+    )
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def migrated(registry_url):
+    db.upgrade(registry_url)
+    db.upgrade(registry_url)  # idempotent
+    return registry_url
+
+
+async def _with_registry(url, fn):
+    engine = db.create_engine(url)
+    try:
+        return await fn(AdapterRegistry(db.sessionmaker(engine)), db.sessionmaker(engine))
+    finally:
+        await engine.dispose()
+
+
+def test_migrations_create_every_table(migrated):
+    from sqlalchemy import create_engine
+
+    engine = create_engine(db.sync_url(migrated))
+    with engine.connect() as connection:
+        tables = set(inspect(connection).get_table_names())
+    engine.dispose()
+    assert {"adapters", "tenants", "api_keys", "usage_rollups", "alembic_version"} <= tables
+
+
+def test_versions_latest_visibility_and_delete(migrated):
+    async def scenario(registry: AdapterRegistry, sessions):
+        async with sessions() as session:
+            session.add_all([Tenant(name="acme"), Tenant(name="globex")])
+            await session.commit()
+        await registry.add(row("sql", "1"))
+        await registry.add(row("sql", "2"))
+        await registry.add(row("secret", "1", owner="acme"))
+        with pytest.raises(AdapterExists):
+            await registry.add(row("sql", "2"))
+        assert await registry.next_version("sql") == "3"
+        assert await registry.next_version("new") == "1"
+        assert (await registry.get("sql", None, None)).version == "2"  # latest
+        assert (await registry.get("sql", "1", None)).version == "1"
+        # visibility: public for all, private for its owner and the admin only
+        assert await registry.get("secret", None, None) is None
+        assert await registry.get("secret", None, "globex") is None
+        assert (await registry.get("secret", None, "acme")).owner == "acme"
+        assert [a.name for a in await registry.list("acme", latest_only=True)] == ["secret", "sql"]
+        assert [a.adapter_id for a in await registry.list("globex")] == ["sql@1", "sql@2"]
+        assert await registry.delete("secret", None, "globex") == []  # cannot delete what it cannot see
+        deleted = await registry.delete("sql", "1", ALL_TENANTS)
+        assert [a.adapter_id for a in deleted] == ["sql@1"]
+        assert [a.adapter_id for a in await registry.list(ALL_TENANTS)] == ["secret@1", "sql@2"]
+        await registry.add(row("sql", "1"))  # a deleted name@version may be registered again
+        assert len(await registry.delete("sql", None, ALL_TENANTS)) == 2
+        assert await registry.get("sql", None, ALL_TENANTS) is None
+
+    run(_with_registry(migrated, scenario))
+
+
+@pytest.mark.parametrize("name", ["", "a b", "x/y", "-lead", "a@b", "é", "n" * 129])
+def test_bad_names_are_refused(name):
+    with pytest.raises(ValueError, match="invalid adapter name"):
+        check_name(name)
+
+
+def test_adapter_id_splits_at_the_last_at():
+    assert split_adapter_id("sql@2") == ("sql", "2")
+    assert split_adapter_id("sql") == ("sql", None)
+    assert split_adapter_id("@x") == ("@x", None)
