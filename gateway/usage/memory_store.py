@@ -1,0 +1,40 @@
+"""`MemoryUsageStore`: usage counters in this process, for a single gateway without Redis."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from gateway.usage.record import UsageCounts, UsageKey, UsageRecord, add_counts, merge_counters
+from gateway.usage.rollups import write_rollups
+from gateway.usage.store import DEDUPE_TTL_S, UsageStore
+
+
+class MemoryUsageStore(UsageStore):
+    def __init__(self, dedupe_ttl_s: float = DEDUPE_TTL_S):
+        self.dedupe_ttl_s = dedupe_ttl_s
+        self._counters: dict[UsageKey, UsageCounts] = {}
+        self._seen: OrderedDict[str, float] = OrderedDict()  # request_id -> when it was recorded, oldest first
+
+    async def record(self, request_id: str, record: UsageRecord) -> None:
+        now = time.monotonic()
+        while self._seen and next(iter(self._seen.values())) < now - self.dedupe_ttl_s:
+            self._seen.popitem(last=False)
+        if request_id in self._seen:
+            return
+        self._seen[request_id] = now
+        add_counts(self._counters, record.key, record.counts)
+
+    async def flush(self, sessionmaker: async_sessionmaker, final: bool = False) -> dict[UsageKey, UsageCounts]:
+        flushing, self._counters = self._counters, {}  # no await in between: records after this go to the next flush
+        try:
+            await write_rollups(sessionmaker, flushing)
+        except BaseException:
+            self._counters = merge_counters(flushing, self._counters)
+            raise
+        return flushing
+
+    async def pending(self) -> dict[UsageKey, UsageCounts]:
+        return merge_counters(self._counters)

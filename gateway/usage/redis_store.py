@@ -1,0 +1,251 @@
+"""`RedisUsageStore`: usage counters in Redis, shared by every gateway process and flushed to the registry once.
+
+Keys (one hash tag, `{usage}`, so the scripts also run on a Redis Cluster):
+  {p}usage:{usage}:seen:<request_id>    set once per request (NX, with a TTL), so a replay counts nothing
+  {p}usage:{usage}:pending              hash: json([tenant, adapter, day, counter]) -> count
+  {p}usage:{usage}:flushing:<flush_id>  the pending hash, renamed by one flusher: the atomic claim
+  {p}usage:{usage}:claims               zset flush_id -> claim time; a claim older than `stale_claim_s` (its
+                                        flusher died) is handed back to pending by the next flush anywhere
+
+Flush: claim -> read -> upsert in a DB transaction -> ZREM the claim (the flusher and a reclaimer race for it;
+the loser does nothing or rolls back) -> commit -> DEL. A failed upsert or commit gives the counters back.
+
+Outage: `record` never raises. While Redis is unreachable records wait in a local buffer (keyed by request_id)
+and go to Redis, through the same idempotent script, on the next record or flush after it is back. A final
+flush at shutdown writes a buffer that Redis never took straight to the database. Redis must persist its data
+(appendonly) for unflushed counters to survive a Redis restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import logging
+import time
+import uuid
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from gateway.usage.record import UsageCounts, UsageKey, UsageRecord, add_counts, merge_counters
+from gateway.usage.rollups import add_to_rollups, write_rollups
+from gateway.usage.store import DEDUPE_TTL_S, UsageStore
+
+logger = logging.getLogger(__name__)
+
+REDIS_ERRORS = (RedisError, OSError)
+CLAIM_TTL_S = 7 * 24 * 3600  # a claimed hash nobody could resolve is dropped after this, never earlier
+
+# KEYS: seen, pending. ARGV: dedupe ttl, then (field, increment) pairs.
+_RECORD = """
+if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
+  for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1]) end
+  return 1
+end
+return 0
+"""
+# KEYS: pending, flushing, claims. ARGV: flush_id, now, claim ttl.
+_CLAIM = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('RENAME', KEYS[1], KEYS[2])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
+return 1
+"""
+# KEYS: flushing, pending, claims. ARGV: flush_id, guarded (1: only if the claim is still there to take).
+_GIVE_BACK = """
+if redis.call('ZREM', KEYS[3], ARGV[1]) == 0 and ARGV[2] == '1' then return 0 end
+local fields = redis.call('HGETALL', KEYS[1])
+for i = 1, #fields, 2 do redis.call('HINCRBY', KEYS[2], fields[i], fields[i + 1]) end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
+
+def _field(key: UsageKey, counter: str) -> str:
+    return json.dumps([key.tenant, key.adapter, key.day.isoformat(), counter], separators=(",", ":"))
+
+
+def _parse_hash(raw: dict[bytes, bytes]) -> dict[UsageKey, UsageCounts]:
+    counters: dict[UsageKey, UsageCounts] = {}
+    for field, value in raw.items():
+        tenant, adapter, day, counter = json.loads(field)
+        counts = counters.setdefault(UsageKey(tenant, adapter, dt.date.fromisoformat(day)), UsageCounts())
+        setattr(counts, counter, getattr(counts, counter) + int(value))
+    return counters
+
+
+class RedisUsageStore(UsageStore):
+    def __init__(
+        self,
+        redis_url: str,
+        key_prefix: str = "loraplex:",
+        dedupe_ttl_s: int = DEDUPE_TTL_S,
+        stale_claim_s: float = 300.0,
+        retry_interval_s: float = 1.0,
+    ):
+        self.redis = aioredis.from_url(
+            redis_url, socket_connect_timeout=1.0, socket_timeout=2.0, retry=Retry(NoBackoff(), 1)
+        )
+        self.dedupe_ttl_s = int(dedupe_ttl_s)
+        self.stale_claim_s = stale_claim_s
+        self.retry_interval_s = retry_interval_s
+        self._keys = f"{key_prefix}usage:{{usage}}:"
+        self._record = self.redis.register_script(_RECORD)
+        self._claim = self.redis.register_script(_CLAIM)
+        self._give_back = self.redis.register_script(_GIVE_BACK)
+        self._buffer: dict[str, UsageRecord] = {}  # request_id -> record Redis did not take yet
+        self._unresolved: set[str] = set()  # our claims whose give-back failed: retried on the next flush
+        self._draining = asyncio.Lock()
+        self._in_flight: set[asyncio.Task] = set()  # records still running after their caller was cancelled
+        self._retry_at = 0.0  # monotonic time before which Redis is taken as down without asking
+        self._in_outage = False
+
+    # ---- recording ----
+
+    async def record(self, request_id: str, record: UsageRecord) -> None:
+        # Shielded: a client disconnecting cancels the request's task, but its usage must still be counted.
+        task = asyncio.ensure_future(self._record_once(request_id, record))
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
+        await asyncio.shield(task)
+
+    async def _record_once(self, request_id: str, record: UsageRecord) -> None:
+        if self._buffer:
+            await self._drain_buffer()
+        if self._buffer or not await self._write(request_id, record):
+            self._buffer.setdefault(request_id, record)
+
+    async def _write(self, request_id: str, record: UsageRecord) -> bool:
+        if time.monotonic() < self._retry_at:
+            return False
+        increments: list[str | int] = []
+        for name, value in record.counts.as_dict().items():
+            if value:
+                increments += [_field(record.key, name), value]
+        try:
+            await self._record(
+                keys=[self._keys + "seen:" + request_id, self._keys + "pending"], args=[self.dedupe_ttl_s, *increments]
+            )
+        except REDIS_ERRORS as e:
+            self._redis_failed(e)
+            return False
+        self._redis_ok()
+        return True
+
+    async def _drain_buffer(self) -> bool:
+        """Hands buffered records to Redis; True when the buffer is empty afterwards."""
+        async with self._draining:
+            for request_id, record in list(self._buffer.items()):
+                if not await self._write(request_id, record):
+                    return False
+                self._buffer.pop(request_id, None)
+        return not self._buffer
+
+    def _redis_failed(self, error: BaseException) -> None:
+        self._retry_at = time.monotonic() + self.retry_interval_s
+        if not self._in_outage:
+            self._in_outage = True
+            logger.warning("usage: Redis unreachable (%s); buffering usage records in this process", error)
+
+    def _redis_ok(self) -> None:
+        if self._in_outage:
+            self._in_outage = False
+            logger.info("usage: Redis is back; %d buffered usage records to hand over", len(self._buffer))
+
+    # ---- flushing ----
+
+    async def flush(self, sessionmaker: async_sessionmaker, final: bool = False) -> dict[UsageKey, UsageCounts]:
+        flushed: dict[UsageKey, UsageCounts] = {}
+        self._retry_at = 0.0  # a flush always asks Redis, even right after a failed record
+        try:
+            if await self._drain_buffer():
+                await self._give_back_claims()
+                flushed = await self._flush_pending(sessionmaker)
+        except REDIS_ERRORS as e:
+            self._redis_failed(e)
+            logger.warning("usage: flush postponed, Redis unreachable: %s", e)
+        if final and self._buffer:
+            flushed = merge_counters(flushed, await self._flush_buffer_to_db(sessionmaker))
+        return flushed
+
+    async def _give_back_claims(self) -> None:
+        """Returns to pending our own claims left unresolved and any claim whose flusher died."""
+        for flush_id in list(self._unresolved):
+            await self._give_back(keys=self._claim_keys(flush_id), args=[flush_id, 0])
+            self._unresolved.discard(flush_id)
+        stale = await self.redis.zrangebyscore(self._keys + "claims", "-inf", time.time() - self.stale_claim_s)
+        for flush_id in (raw.decode() for raw in stale):
+            if await self._give_back(keys=self._claim_keys(flush_id), args=[flush_id, 1]):
+                logger.warning("usage: took back counters of flush %s, whose flusher did not finish", flush_id)
+
+    def _claim_keys(self, flush_id: str) -> list[str]:
+        return [self._keys + "flushing:" + flush_id, self._keys + "pending", self._keys + "claims"]
+
+    async def _flush_pending(self, sessionmaker: async_sessionmaker) -> dict[UsageKey, UsageCounts]:
+        flush_id = uuid.uuid4().hex
+        flushing, pending, claims = self._claim_keys(flush_id)
+        if not await self._claim(keys=[pending, flushing, claims], args=[flush_id, time.time(), CLAIM_TTL_S]):
+            return {}
+        counters = _parse_hash(await self.redis.hgetall(flushing))
+        try:
+            async with sessionmaker() as session:
+                await add_to_rollups(session, counters)
+                if not await self.redis.zrem(claims, flush_id):
+                    await session.rollback()  # a reclaimer took it back: it is pending again
+                    return {}
+                await session.commit()
+        except REDIS_ERRORS:
+            self._unresolved.add(flush_id)  # the ZREM may have happened: resolved on the next flush
+            raise
+        except BaseException:
+            await self._give_back_own(flush_id)
+            raise
+        await self.redis.delete(flushing)
+        return counters
+
+    async def _give_back_own(self, flush_id: str) -> None:
+        try:
+            await self._give_back(keys=self._claim_keys(flush_id), args=[flush_id, 0])
+        except REDIS_ERRORS as e:
+            self._redis_failed(e)
+            self._unresolved.add(flush_id)
+
+    async def _flush_buffer_to_db(self, sessionmaker: async_sessionmaker) -> dict[UsageKey, UsageCounts]:
+        """At shutdown with Redis still down: the records Redis never took go straight to the database."""
+        taken, self._buffer = self._buffer, {}
+        counters = self._buffer_counters(taken)
+        try:
+            await write_rollups(sessionmaker, counters)
+        except BaseException:
+            self._buffer = {**taken, **self._buffer}
+            raise
+        logger.warning("usage: Redis unreachable at shutdown; wrote %d buffered records to the database", len(taken))
+        return counters
+
+    @staticmethod
+    def _buffer_counters(buffer: dict[str, UsageRecord]) -> dict[UsageKey, UsageCounts]:
+        counters: dict[UsageKey, UsageCounts] = {}
+        for record in buffer.values():
+            add_counts(counters, record.key, record.counts)
+        return counters
+
+    # ---- reporting ----
+
+    async def pending(self) -> dict[UsageKey, UsageCounts]:
+        found = [self._buffer_counters(self._buffer)]
+        try:
+            claimed = [raw.decode() for raw in await self.redis.zrange(self._keys + "claims", 0, -1)]
+            for key in [self._keys + "pending", *(self._keys + "flushing:" + f for f in claimed)]:
+                found.append(_parse_hash(await self.redis.hgetall(key)))
+        except REDIS_ERRORS as e:
+            logger.warning("usage: Redis unreachable, pending counters are this process's only: %s", e)
+        return merge_counters(*found)
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._in_flight, return_exceptions=True)
+        await self.redis.aclose()

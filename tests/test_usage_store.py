@@ -1,0 +1,398 @@
+"""Usage counting (invariant 4): once per request, in process and in a real Redis, flushed exactly once into the
+registry on SQLite and a real PostgreSQL, across Redis outages, concurrent flushers and client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import sqlite3
+import time
+import uuid
+
+import psycopg
+import pytest
+
+from gateway.usage import UsageCounts, UsageFlusher, UsageKey, UsageRecord, usage_report
+from gateway.usage.memory_store import MemoryUsageStore
+from gateway.usage.redis_store import RedisUsageStore
+from registry.db import create_engine, sessionmaker, upgrade
+from tests.services import RedisProcess
+
+DAY = dt.date(2026, 3, 10)
+
+
+@pytest.fixture(scope="session")
+def migrated_postgres_url(postgres_url):
+    upgrade(postgres_url)
+    return postgres_url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path):
+    """A migrated registry database; tests keep apart by using tenant names of their own."""
+    if request.param == "postgresql":
+        return request.getfixturevalue("migrated_postgres_url")
+    url = f"sqlite:///{tmp_path}/registry.db"
+    upgrade(url)
+    return url
+
+
+@pytest.fixture(params=["memory", "redis"])
+def new_store(request):
+    """Makes stores of one kind; Redis stores made by one test share that test's own key prefix."""
+    if request.param == "memory":
+        return MemoryUsageStore
+    url, prefix = request.getfixturevalue("redis_url"), request.getfixturevalue("redis_key_prefix")
+    return lambda **options: RedisUsageStore(url, key_prefix=prefix, **options)
+
+
+@pytest.fixture
+def tenant():
+    return f"tenant-{uuid.uuid4().hex[:8]}"
+
+
+class Database:
+    def __init__(self, url: str):
+        self.engine = create_engine(url)
+        self.sessionmaker = sessionmaker(self.engine)
+
+    async def totals(self, tenant: str) -> dict[tuple[str, dt.date], dict[str, int]]:
+        report = await usage_report(self.sessionmaker, tenant=tenant)
+        return {(row.adapter, row.day): _counts(row) for row in report.rows}
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+
+def _counts(row) -> dict[str, int]:
+    return {name: getattr(row, name) for name in ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")}
+
+
+def usage(tenant: str, prompt: int, completion: int, cached: int = 0, adapter: str = "sql", day=DAY) -> UsageRecord:
+    return UsageRecord(tenant, adapter, prompt, completion, cached, day=day)
+
+
+def expected(*records: UsageRecord) -> dict[tuple[str, dt.date], dict[str, int]]:
+    sums: dict[tuple[str, dt.date], UsageCounts] = {}
+    for record in records:
+        sums.setdefault((record.adapter, record.day), UsageCounts()).add(record.counts)
+    return {key: counts.as_dict() for key, counts in sums.items()}
+
+
+def pending_of(pending: dict[UsageKey, UsageCounts], tenant: str) -> dict[tuple[str, dt.date], dict[str, int]]:
+    return {(k.adapter, k.day): c.as_dict() for k, c in pending.items() if k.tenant == tenant}
+
+
+def test_each_request_is_counted_once(new_store, tenant):
+    async def main():
+        store = new_store()
+        records = [usage(tenant, 10, 5, 2), usage(tenant, 7, 3), usage(tenant, 4, 1, adapter="")]
+        records.append(usage(tenant, 1, 1, day=DAY + dt.timedelta(days=1)))
+        for i, record in enumerate(records):
+            await store.record(f"req-{i}", record)
+        await store.record("req-0", usage(tenant, 10, 5, 2))  # a replay of a request already counted
+        await store.record("req-1", usage(tenant, 999, 999))  # the same request id never counts again
+        pending = pending_of(await store.pending(), tenant)
+        await store.close()
+        return records, pending
+
+    records, pending = asyncio.run(main())
+    assert pending == expected(*records)
+    assert pending[("sql", DAY)] == {"requests": 2, "prompt_tokens": 17, "completion_tokens": 8, "cached_tokens": 2}
+
+
+def test_flush_adds_to_existing_rows(new_store, db_url, tenant):
+    async def main():
+        db, store = Database(db_url), new_store()
+        first = [usage(tenant, 10, 5, 1), usage(tenant, 3, 2, adapter="")]
+        for i, record in enumerate(first):
+            await store.record(f"a{i}", record)
+        flushed = await store.flush(db.sessionmaker)
+        after_first = await db.totals(tenant)
+        second = [usage(tenant, 20, 10, 4), usage(tenant, 1, 1)]
+        for i, record in enumerate(second):
+            await store.record(f"b{i}", record)
+        await store.record("a0", first[0])  # a replay after its flush still counts nothing
+        await store.flush(db.sessionmaker)
+        await store.flush(db.sessionmaker)  # nothing left: adds nothing
+        totals, pending = await db.totals(tenant), pending_of(await store.pending(), tenant)
+        await store.close()
+        await db.close()
+        return first, second, flushed, after_first, totals, pending
+
+    first, second, flushed, after_first, totals, pending = asyncio.run(main())
+    assert after_first == expected(*first)
+    assert {(k.adapter, k.day): c.as_dict() for k, c in flushed.items()} == expected(*first)
+    assert totals == expected(*first, *second)
+    assert totals[("sql", DAY)] == {"requests": 3, "prompt_tokens": 31, "completion_tokens": 16, "cached_tokens": 5}
+    assert pending == {}
+
+
+def test_failed_flush_keeps_counters_pending(new_store, tmp_path, tenant):
+    good_url, broken_url = f"sqlite:///{tmp_path}/good.db", f"sqlite:///{tmp_path}/unmigrated.db"
+    upgrade(good_url)
+
+    async def main():
+        good, broken, store = Database(good_url), Database(broken_url), new_store()
+        await store.record("r1", usage(tenant, 5, 5))
+        with pytest.raises(Exception, match="usage_rollups"):
+            await store.flush(broken.sessionmaker)
+        pending = pending_of(await store.pending(), tenant)
+        await store.record("r2", usage(tenant, 1, 2))
+        await store.flush(good.sessionmaker)
+        totals = await good.totals(tenant)
+        await store.close()
+        await good.close()
+        await broken.close()
+        return pending, totals
+
+    pending, totals = asyncio.run(main())
+    assert pending == expected(usage(tenant, 5, 5))
+    assert totals == expected(usage(tenant, 5, 5), usage(tenant, 1, 2))
+
+
+def test_two_gateways_on_one_redis_flush_exactly_once(redis_url, redis_key_prefix, db_url, tenant):
+    async def main():
+        db = Database(db_url)
+        stores = [RedisUsageStore(redis_url, key_prefix=redis_key_prefix) for _ in range(2)]
+        records = [usage(tenant, i, 2 * i, i % 3, adapter=f"a{i % 3}") for i in range(60)]
+
+        async def gateway(index: int):
+            store = stores[index]
+            for i, record in enumerate(records):
+                if i % 2 == index or i % 5 == 0:  # every fifth request is replayed by the other gateway too
+                    await store.record(f"req-{i}", record)
+                if i % 7 == 0:
+                    await store.flush(db.sessionmaker)
+
+        await asyncio.gather(gateway(0), gateway(1))
+        await asyncio.gather(*(store.flush(db.sessionmaker) for store in stores))
+        totals = await db.totals(tenant)
+        for store in stores:
+            await store.close()
+        await db.close()
+        return records, totals
+
+    records, totals = asyncio.run(main())
+    assert totals == expected(*records)
+
+
+def test_claim_of_a_dead_flusher_is_taken_back(redis_url, redis_key_prefix, tmp_path, tenant):
+    url = f"sqlite:///{tmp_path}/registry.db"
+    upgrade(url)
+
+    async def main():
+        db = Database(url)
+        dead = RedisUsageStore(redis_url, key_prefix=redis_key_prefix)
+        alive = RedisUsageStore(redis_url, key_prefix=redis_key_prefix, stale_claim_s=0.3)
+        await dead.record("r1", usage(tenant, 8, 4))
+        flushing, pending, claims = dead._claim_keys("dead-flush")
+        # The dead gateway claimed the pending counters, then died before writing them to the database.
+        assert await dead._claim(keys=[pending, flushing, claims], args=["dead-flush", time.time(), 3600])
+        await dead.close()
+        claimed = pending_of(await alive.pending(), tenant)
+        early = await alive.flush(db.sessionmaker)  # the claim is not stale yet: left alone
+        await asyncio.sleep(0.4)
+        await alive.flush(db.sessionmaker)
+        await alive.flush(db.sessionmaker)
+        totals = await db.totals(tenant)
+        await alive.close()
+        await db.close()
+        return claimed, early, totals
+
+    claimed, early, totals = asyncio.run(main())
+    assert claimed == expected(usage(tenant, 8, 4))
+    assert early == {}
+    assert totals == expected(usage(tenant, 8, 4))
+
+
+def lock_rollups(db_url: str, tenant: str):
+    """Blocks writers of `tenant`'s rows from another connection (a slow database); returns the unlock."""
+    if db_url.startswith("sqlite"):
+        conn = sqlite3.connect(db_url.removeprefix("sqlite:///"), isolation_level=None)
+        conn.execute("BEGIN IMMEDIATE")
+    else:
+        conn = psycopg.connect(db_url)
+        conn.execute("INSERT INTO usage_rollups VALUES (%s, 'sql', %s, 0, 0, 0, 0)", (tenant, DAY))
+
+    def unlock():
+        conn.commit()
+        conn.close()
+
+    return unlock
+
+
+def test_slow_flusher_whose_claim_was_taken_back_commits_nothing(redis_url, redis_key_prefix, db_url, tenant):
+    async def main():
+        db = Database(db_url)
+        slow = RedisUsageStore(redis_url, key_prefix=redis_key_prefix)
+        other = RedisUsageStore(redis_url, key_prefix=redis_key_prefix, stale_claim_s=0.3)
+        await slow.record("r1", usage(tenant, 8, 4))
+        unlock = lock_rollups(db_url, tenant)
+        slow_flush = asyncio.create_task(slow.flush(db.sessionmaker))  # claims, then waits for the database
+        await asyncio.sleep(0.5)
+        other_flush = asyncio.create_task(other.flush(db.sessionmaker))  # takes the stale claim back, flushes it
+        await asyncio.sleep(0.2)
+        unlock()
+        flushed = await asyncio.gather(slow_flush, other_flush)
+        totals = await db.totals(tenant)
+        for store in (slow, other):
+            await store.close()
+        await db.close()
+        return flushed, totals
+
+    flushed, totals = asyncio.run(main())
+    assert flushed[0] == {}
+    assert totals == expected(usage(tenant, 8, 4))
+
+
+def test_redis_outage_loses_nothing_and_counts_nothing_twice(db_url, tenant, caplog):
+    async def main(redis: RedisProcess):
+        db = Database(db_url)
+        store = RedisUsageStore(redis.url, key_prefix="outage:")
+        before = [usage(tenant, 10 + i, i) for i in range(5)]
+        for i, record in enumerate(before):
+            await store.record(f"before-{i}", record)
+        redis.stop(kill=True)
+        during = [usage(tenant, 100 + i, 2 * i, adapter="") for i in range(5)]
+        started = time.monotonic()
+        for i, record in enumerate(during):
+            await store.record(f"during-{i}", record)  # must not raise
+        await store.record("during-0", during[0])  # a replay while down
+        await store.record("before-1", before[1])  # a replay of a request Redis already holds
+        await store.flush(db.sessionmaker)  # Redis down: postponed, nothing lost
+        recording_s = time.monotonic() - started
+        buffered = pending_of(await store.pending(), tenant)
+        redis.start()
+        await store.record("before-2", before[2])  # replays after the restart count nothing either
+        after = usage(tenant, 1000, 1)
+        await store.record("after-0", after)
+        await store.flush(db.sessionmaker)
+        totals, pending = await db.totals(tenant), pending_of(await store.pending(), tenant)
+        await store.close()
+        await db.close()
+        return before, during, after, recording_s, buffered, totals, pending
+
+    with RedisProcess(persistent=True) as redis:
+        before, during, after, recording_s, buffered, totals, pending = asyncio.run(main(redis))
+    assert recording_s < 5
+    assert buffered == expected(*during, before[1])  # only Redis can tell that before-1 is a replay
+    assert totals == expected(*before, *during, after)
+    assert pending == {}
+    assert sum("Redis unreachable" in r.message for r in caplog.records if r.name.endswith("redis_store")) >= 1
+
+
+def test_final_flush_writes_the_buffer_when_redis_stays_down(tmp_path, tenant):
+    url = f"sqlite:///{tmp_path}/registry.db"
+    upgrade(url)
+
+    async def main(redis: RedisProcess):
+        db = Database(url)
+        store = RedisUsageStore(redis.url, key_prefix="final:")
+        flusher = UsageFlusher(store, db.sessionmaker, interval_s=3600)
+        await store.record("r0", usage(tenant, 3, 3))
+        redis.stop()
+        await store.record("r1", usage(tenant, 4, 4))
+        await flusher.close()  # shutdown while Redis is down: r1 goes straight to the database
+        at_close = await db.totals(tenant)
+        redis.start()
+        await store.flush(db.sessionmaker)  # r0 was in Redis all along: flushed once, r1 not again
+        totals = await db.totals(tenant)
+        await store.close()
+        await db.close()
+        return at_close, totals
+
+    with RedisProcess(persistent=True) as redis:
+        at_close, totals = asyncio.run(main(redis))
+    assert at_close == expected(usage(tenant, 4, 4))
+    assert totals == expected(usage(tenant, 3, 3), usage(tenant, 4, 4))
+
+
+def test_flusher_flushes_every_interval_and_at_close(new_store, tmp_path, tenant):
+    url = f"sqlite:///{tmp_path}/registry.db"
+    upgrade(url)
+
+    async def main():
+        db, store = Database(url), new_store()
+        flusher = UsageFlusher(store, db.sessionmaker, interval_s=0.05)
+        flusher.start()
+        await store.record("r0", usage(tenant, 1, 2))
+        deadline = time.monotonic() + 5
+        while not await db.totals(tenant) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        periodic = await db.totals(tenant)
+        flusher.interval_s = 3600
+        await asyncio.sleep(0.1)  # the loop is now asleep for an hour
+        await store.record("r1", usage(tenant, 3, 4))
+        await flusher.close()
+        totals = await db.totals(tenant)
+        await store.close()
+        await db.close()
+        return periodic, totals
+
+    periodic, totals = asyncio.run(main())
+    assert periodic == expected(usage(tenant, 1, 2))
+    assert totals == expected(usage(tenant, 1, 2), usage(tenant, 3, 4))
+
+
+def test_record_completes_when_the_request_task_is_cancelled(redis_url, redis_key_prefix, tenant):
+    async def main():
+        store = RedisUsageStore(redis_url, key_prefix=redis_key_prefix)
+
+        async def request_handler():
+            try:
+                await asyncio.sleep(3600)  # streaming, until the client disconnects
+            finally:
+                await store.record("r0", usage(tenant, 6, 7))
+
+        task = asyncio.create_task(request_handler())
+        await asyncio.sleep(0.01)
+        task.cancel()  # the client disconnects mid-stream
+        await asyncio.sleep(0)
+        task.cancel()  # and the server cancels again while the record is in flight
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.2)
+        pending = pending_of(await store.pending(), tenant)
+        await store.close()
+        return pending
+
+    assert asyncio.run(main()) == expected(usage(tenant, 6, 7))
+
+
+def test_usage_report_filters_and_totals(tmp_path):
+    url = f"sqlite:///{tmp_path}/registry.db"
+    upgrade(url)
+    next_day = DAY + dt.timedelta(days=1)
+
+    async def main():
+        db, store = Database(url), MemoryUsageStore()
+        records = [usage("acme", 10, 1), usage("acme", 20, 2, adapter=""), usage("acme", 30, 3, day=next_day)]
+        records += [usage("globex", 40, 4), usage("", 50, 5, adapter="")]
+        for i, record in enumerate(records):
+            await store.record(str(i), record)
+        await store.flush(db.sessionmaker)
+        await store.record("late", usage("acme", 7, 7, day=next_day))
+        reports = {
+            "all": await usage_report(db.sessionmaker),
+            "acme": await usage_report(db.sessionmaker, tenant="acme"),
+            "sql": await usage_report(db.sessionmaker, adapter="sql"),
+            "day": await usage_report(db.sessionmaker, from_day=next_day, to_day=next_day),
+            "acme+pending": await usage_report(db.sessionmaker, tenant="acme", pending=await store.pending()),
+        }
+        await db.close()
+        return reports
+
+    reports = asyncio.run(main())
+    assert [(r.tenant, r.adapter, r.day) for r in reports["all"].rows] == [
+        ("", "", DAY),
+        ("acme", "", DAY),
+        ("acme", "sql", DAY),
+        ("globex", "sql", DAY),
+        ("acme", "sql", next_day),
+    ]
+    assert reports["all"].totals == UsageCounts(5, 150, 15, 0)
+    assert reports["acme"].totals == UsageCounts(3, 60, 6, 0)
+    assert {(r.tenant, r.day) for r in reports["sql"].rows} == {("acme", DAY), ("globex", DAY), ("acme", next_day)}
+    assert [r.prompt_tokens for r in reports["day"].rows] == [30]
+    assert reports["acme+pending"].totals == UsageCounts(4, 67, 13, 0)
