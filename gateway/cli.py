@@ -44,6 +44,18 @@ def _bench_lora(args: argparse.Namespace) -> None:
     bench_main(args.bench_args)
 
 
+def _bench_serve(args: argparse.Namespace) -> None:
+    from gateway.bench.serve import main as bench_main
+
+    bench_main(args.bench_args)
+
+
+def _bench_sweep(args: argparse.Namespace) -> None:
+    from gateway.bench.sweep import main as bench_main
+
+    bench_main(args.bench_args)
+
+
 def _serve(args: argparse.Namespace) -> None:
     from gateway.server import serve
 
@@ -127,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     engine.set_defaults(func=_bench_engine)
     lora = bench_sub.add_parser("lora", help="offline multi-LoRA throughput vs transformers + peft", add_help=False)
     lora.set_defaults(func=_bench_lora)
+    online = bench_sub.add_parser(
+        "serve", help="online serving benchmark over HTTP (any OpenAI-compatible server)", add_help=False
+    )
+    online.set_defaults(func=_bench_serve)
+    sweep = bench_sub.add_parser(
+        "sweep", help="throughput vs number of adapters (registers random adapters)", add_help=False
+    )
+    sweep.set_defaults(func=_bench_sweep)
     return parser
 
 

@@ -1,0 +1,73 @@
+"""The benchmark's PNGs: latency CDFs per run, throughput and latency against K adapters.
+
+Plain matplotlib Figures rendered by Agg: no pyplot, so no global backend or figure state is touched.
+The K axis is symlog, so K = 0 (base only) sits beside 1, 8, 32, ...
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import NullLocator
+
+
+def latency_cdfs(runs: list[dict], path: Path) -> Path:
+    """TTFT and E2E CDFs, one curve per run."""
+    fig = Figure(figsize=(11, 4))
+    axes = fig.subplots(1, 2)
+    for ax, key, title in zip(axes, ("ttft_s", "e2e_s"), ("Time to first token", "End-to-end latency")):
+        for run in runs:
+            ms = np.sort([r[key] * 1000.0 for r in run["requests"] if r["ok"]])
+            if len(ms):
+                ax.step(ms, np.arange(1, len(ms) + 1) / len(ms), where="post", label=f"K={run['num_adapters']}")
+        ax.set(title=title, xlabel="ms", ylabel="fraction of requests", ylim=(0, 1.02))
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    return _save(fig, path)
+
+
+def throughput_vs_adapters(runs: list[dict], path: Path, title: str = "Throughput vs number of adapters") -> Path:
+    """Output tokens/s (left axis) and requests/s (right axis) against K."""
+    ks = [run["num_adapters"] for run in runs]
+    fig = Figure(figsize=(6.5, 4))
+    ax = fig.subplots()
+    ax.plot(ks, [run["output_throughput"] for run in runs], "o-", color="tab:blue", label="output tokens/s")
+    ax.set(title=title, xlabel="number of adapters (K)", ylabel="output tokens / s", ylim=(0, None))
+    right = ax.twinx()
+    right.plot(ks, [run["request_throughput"] for run in runs], "s--", color="tab:orange", label="requests/s")
+    right.set(ylabel="requests / s", ylim=(0, None))
+    _k_axis(ax, ks)
+    fig.legend(loc="lower left", bbox_to_anchor=(0.12, 0.14))
+    return _save(fig, path)
+
+
+def latency_vs_adapters(runs: list[dict], path: Path) -> Path:
+    """p50 and p99 of TTFT and E2E against K."""
+    ks = [run["num_adapters"] for run in runs]
+    fig = Figure(figsize=(11, 4))
+    axes = fig.subplots(1, 2)
+    for ax, key, title in zip(axes, ("ttft_ms", "e2e_ms"), ("Time to first token", "End-to-end latency")):
+        for stat, style in (("p50", "o-"), ("p99", "s--")):
+            values = [run[key][stat] if run[key][stat] is not None else np.nan for run in runs]
+            ax.plot(ks, values, style, label=stat)
+        ax.set(title=title, xlabel="number of adapters (K)", ylabel="ms", ylim=(0, None))
+        _k_axis(ax, ks)
+        ax.legend()
+    return _save(fig, path)
+
+
+def _k_axis(ax, ks: list[int]) -> None:
+    ax.set_xscale("symlog", linthresh=1)
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.grid(alpha=0.3)
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
