@@ -17,15 +17,19 @@ from tqdm import tqdm
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from gateway.accounting import Accounting
 from gateway.adapter_roots import AdapterRoots
 from gateway.adapter_service import AdapterService, parse_lora_module
 from gateway.chat_templates import ChatTemplates
 from gateway.errors import install_error_handlers
+from gateway.limits import make_rate_limiter
+from gateway.metrics import ErrorCounter, GatewayMetrics
 from gateway.openai_serving import OpenAIServing
-from gateway.routes import admin_adapters, health, openai, vllm_adapters
+from gateway.routes import admin_adapters, admin_tenants, health, metrics, openai, vllm_adapters
 from gateway.routes.health import package_version
 from gateway.settings import DEMO_MODEL_NAME, ServeSettings
 from gateway.state import GatewayState
+from gateway.usage import UsageFlusher, make_usage_store
 from registry import db
 from registry.adapters import AdapterRegistry
 
@@ -77,7 +81,14 @@ async def start(settings: ServeSettings) -> GatewayState:
     for name, path in tqdm(modules, desc="registering adapters", unit="adapter", disable=not modules):
         adapter = await adapters.ensure_registered(name, path)
         logger.info("adapter '%s' ready (%s)", adapter.adapter_id, adapter.path)
-    serving = OpenAIServing(engine, adapters, ChatTemplates(engine.tokenizer, settings.chat_template))
+    gateway_metrics = GatewayMetrics()
+    serving = OpenAIServing(engine, adapters, ChatTemplates(engine.tokenizer, settings.chat_template), gateway_metrics)
+    store = make_usage_store(settings.redis_url, key_prefix=settings.redis_key_prefix)
+    limiter = make_rate_limiter(
+        settings.redis_url, fail_open=settings.limits_fail_open, key_prefix=settings.redis_key_prefix
+    )
+    flusher = UsageFlusher(store, sessions, interval_s=settings.usage_flush_interval)
+    flusher.start()
     state = GatewayState(
         settings=settings,
         base_model=base_model,
@@ -89,15 +100,24 @@ async def start(settings: ServeSettings) -> GatewayState:
         adapters=adapters,
         serving=serving,
         auth_enabled=settings.auth_enabled,
+        accounting=Accounting(sessions, store, limiter),
+        usage_flusher=flusher,
+        metrics=gateway_metrics,
     )
     if not state.auth_enabled:
         logger.warning("authentication is OFF: /v1/* answers anyone (--no-disable-auth requires tenant keys)")
+    logger.info(
+        "usage and limits: %s", "Redis " + settings.redis_url.split("@")[-1] if settings.redis_url else "in process"
+    )
     if not settings.admin_key:
         logger.info("the admin API is disabled (no --admin-key)")
     return state
 
 
 async def stop(state: GatewayState) -> None:
+    """After uvicorn has let running requests finish: the last usage flush, then the engine and database."""
+    await state.usage_flusher.close()
+    await state.accounting.close()
     await asyncio.to_thread(state.engine.shutdown)
     await state.database.dispose()
     logger.info("loraplex stopped")
@@ -119,6 +139,7 @@ def build_app(settings: ServeSettings) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    for module in (openai, vllm_adapters, admin_adapters, health):
+    app.add_middleware(ErrorCounter)
+    for module in (openai, vllm_adapters, admin_adapters, admin_tenants, health, metrics):
         app.include_router(module.router)
     return app

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -67,12 +68,13 @@ def _settings(args: argparse.Namespace):
 
     from gateway.settings import ServeSettings
 
-    given = {name: value for name, value in vars(args).items() if name in ServeSettings.model_fields}
-    given.setdefault("log_level", args.log_level)
+    given = {
+        name: value for name, value in vars(args).items() if name in ServeSettings.model_fields and value is not None
+    }
     try:
         return ServeSettings(**given)
     except ValidationError as e:
-        raise SystemExit(f"loraplex serve: {e}") from None
+        raise SystemExit(f"loraplex {args.command}: {e}") from None
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser, only: set[str] | None = None) -> None:
@@ -102,7 +104,9 @@ def _db_upgrade(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description="Multi-LoRA serving on one base model.")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-level", default=None, help="debug | info | warning | error (default: $LORAPLEX_LOG_LEVEL or info)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="offline generation (the embedded demo model unless --model)")
@@ -156,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     if extra and getattr(args, "command", None) != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.bench_args = extra
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = args.log_level or os.environ.get("LORAPLEX_LOG_LEVEL") or "info"
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.func(args)
 
 

@@ -1,8 +1,8 @@
 """Generation: the engine requests behind one HTTP request (one per prompt, each with its n samples).
 
-It merges their delta streams, keeps the usage (prompt, completion and cached prompt tokens), aborts
-everything still running when the client goes away or an error ends the request, and reports the usage
-once, at the end, whatever the ending.
+It merges their delta streams, keeps the usage (prompt, completion and cached prompt tokens) and the token
+timing, aborts everything still running when the client goes away or an error ends the request, and reports
+usage and metrics once, at the end, whatever the ending.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from engine.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
 from engine.request import EngineRequest
 from gateway.errors import APIError
+from gateway.metrics import Latency, RequestMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +58,17 @@ def engine_error(error: Exception) -> APIError:
 
 
 class Generation:
-    def __init__(self, engine: AsyncEngine, requests: list[EngineRequest], on_done: UsageCallback | None = None):
-        self.engine, self.requests, self.on_done = engine, requests, on_done
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        requests: list[EngineRequest],
+        on_done: UsageCallback | None = None,
+        metrics: RequestMetrics | None = None,
+    ):
+        self.engine, self.requests, self.on_done, self.metrics = engine, requests, on_done, metrics
         self.usage = Usage(prompt_tokens=sum(len(r.prompt_token_ids) for r in requests))
+        self.latency = Latency()
+        self.failed = False
         self._cached = [0] * len(requests)
         self._finished = [False] * len(requests)
         self._reported = False
@@ -76,6 +85,10 @@ class Generation:
     def completed(self) -> bool:
         return all(self._finished)
 
+    @property
+    def outcome(self) -> str:
+        return "completed" if self.completed else "failed" if self.failed else "aborted"
+
     async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, delta) as the engine makes them; usage reported when the iteration ends."""
         try:
@@ -83,18 +96,23 @@ class Generation:
                 self.usage.completion_tokens += out.num_completion_tokens
                 self._cached[i] = out.num_cached_tokens
                 self._finished[i] = out.finished
+                self.latency.on_delta(i, out)
                 yield i, out
         except Exception as e:
+            self.failed = True
             raise engine_error(e) from None
         finally:
             self.usage.cached_tokens = sum(self._cached)
             await self.report()
 
     async def report(self) -> None:
-        if self._reported or self.on_done is None:
+        if self._reported:
             return
         self._reported = True
-        await asyncio.shield(self.on_done(self.usage, self.completed))
+        if self.metrics is not None:
+            self.metrics.observe(self.usage, self.outcome, self.latency)
+        if self.on_done is not None:
+            await asyncio.shield(self.on_done(self.usage, self.completed))
 
     async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         if len(self.requests) == 1:

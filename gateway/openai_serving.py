@@ -19,20 +19,28 @@ from engine.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
+from gateway.accounting import Ticket
 from gateway.adapter_service import AdapterService, ModelChoice
 from gateway.chat_templates import ChatTemplates
 from gateway.errors import APIError, error_body
 from gateway.generation import Generation, UsageCallback, until_disconnect
+from gateway.metrics import GatewayMetrics
 from gateway.openai_format import SSE_DONE, TokenText, chat_logprobs, completion_logprobs, new_id, now, sse
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 
 @dataclass(slots=True)
 class Caller:
-    """Who is asking (None when auth is off) and what to call once the request is over."""
+    """Who is asking (None when auth is off) and the admission ticket that accounts for the request."""
 
     tenant: str | None = None
-    on_done: UsageCallback | None = None
+    ticket: Ticket | None = None
+
+    def on_done(self, choice: ModelChoice) -> UsageCallback | None:
+        if self.ticket is None:
+            return None
+        ticket = self.ticket
+        return lambda usage, completed: ticket.done(choice.adapter_name, usage)
 
 
 @dataclass(slots=True)
@@ -45,8 +53,10 @@ class _Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, adapters: AdapterService, chat_templates: ChatTemplates):
-        self.engine, self.adapters, self.chat_templates = engine, adapters, chat_templates
+    def __init__(
+        self, engine: AsyncEngine, adapters: AdapterService, chat_templates: ChatTemplates, metrics: GatewayMetrics
+    ):
+        self.engine, self.adapters, self.chat_templates, self.metrics = engine, adapters, chat_templates, metrics
         self.tokenizer = engine.tokenizer
         self.token_text = TokenText(self.tokenizer)
 
@@ -56,7 +66,13 @@ class OpenAIServing:
         return await self.adapters.choose(body.model, lora_name, caller.tenant)
 
     def _generation(
-        self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams, choice, caller
+        self,
+        endpoint: str,
+        request_id: str,
+        prompts: list[tuple[str | None, list[int]]],
+        params: SamplingParams,
+        choice: ModelChoice,
+        caller: Caller,
     ) -> Generation:
         requests = [
             EngineRequest(
@@ -69,7 +85,8 @@ class OpenAIServing:
             )
             for i, (text, ids) in enumerate(prompts)
         ]
-        generation = Generation(self.engine, requests, caller.on_done)
+        metrics = self.metrics.request(caller.tenant, choice.adapter_name, endpoint)
+        generation = Generation(self.engine, requests, caller.on_done(choice), metrics)
         generation.validate()
         return generation
 
@@ -117,8 +134,9 @@ class OpenAIServing:
     def _stream_response(chunks: AsyncIterator[str]) -> StreamingResponse:
         return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    @staticmethod
-    async def _error_chunk(error: APIError) -> str:
+    async def _error_chunk(self, error: APIError) -> str:
+        """A failure after the response started: its status goes in the body (and the error metrics)."""
+        self.metrics.count_error(error.status_code)
         return sse(error_body(error.status_code, error.message, error.param, error.code))
 
     # ---- completions ---------------------------------------------------------------------------------
@@ -133,7 +151,8 @@ class OpenAIServing:
         params = body.sampling_params(body.max_tokens, body.logprobs)
         choice = await self._choose(body, caller)
         request_id = new_id("cmpl")
-        generation = self._generation(request_id, self._completion_prompts(body.prompt), params, choice, caller)
+        prompts = self._completion_prompts(body.prompt)
+        generation = self._generation("completions", request_id, prompts, params, choice, caller)
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": choice.model}
         if body.stream:
             stream = await self._primed(generation)
@@ -207,7 +226,7 @@ class OpenAIServing:
         )
         ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
         request_id = new_id("chatcmpl")
-        generation = self._generation(request_id, [(text, ids)], params, choice, caller)
+        generation = self._generation("chat", request_id, [(text, ids)], params, choice, caller)
         if body.stream:
             head = {"id": request_id, "object": "chat.completion.chunk", "created": now(), "model": choice.model}
             stream = await self._primed(generation)

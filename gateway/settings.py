@@ -70,6 +70,12 @@ class ServeSettings(BaseSettings):
     disable_auth: bool | None = Field(
         None, description="serve /v1/* without API keys (default: off for the demo, on with --model)"
     )
+    redis_url: str | None = Field(
+        None, description="Redis for usage counters and limits shared by several gateways (default: in process)"
+    )
+    redis_key_prefix: str = Field("loraplex:", description="prefix of every Redis key (deployments sharing a Redis)")
+    limits_fail_open: bool = Field(True, description="while Redis is unreachable, admit requests (else answer 503)")
+    usage_flush_interval: float = Field(10.0, description="seconds between usage flushes into the registry")
     chat_template: str | None = Field(None, description="a Jinja chat template, inline or a file path")
     timeout_graceful_shutdown: float = Field(30.0, description="seconds running requests get to finish on exit")
     seed: int = Field(0, description="engine seed for unseeded sampling")

@@ -12,9 +12,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine as DatabaseEngine
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from engine.async_engine import AsyncEngine
+from gateway.accounting import Accounting
 from gateway.adapter_service import AdapterService
+from gateway.metrics import GatewayMetrics
 from gateway.openai_serving import OpenAIServing
 from gateway.settings import ServeSettings
+from gateway.usage import UsageFlusher
 from registry.adapters import AdapterRegistry
 
 
@@ -30,6 +33,9 @@ class GatewayState:
     adapters: AdapterService
     serving: OpenAIServing
     auth_enabled: bool
+    accounting: Accounting
+    usage_flusher: UsageFlusher
+    metrics: GatewayMetrics
     started_at: float = field(default_factory=time.time)
 
 

@@ -2,36 +2,55 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+import datetime as dt
+from collections.abc import Awaitable, Callable
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
 
 from gateway.auth import TenantDep
 from gateway.errors import APIError
 from gateway.generation import ClientDisconnected
 from gateway.openai_serving import Caller
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.state import StateDep
+from gateway.state import GatewayState, StateDep
+from gateway.usage_report import usage_json
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 
-def _caller(state, tenant: str | None, body) -> Caller:
-    return Caller(tenant=tenant)
+async def _admitted(state: GatewayState, tenant: str | None, handler: Callable[[Caller], Awaitable]):
+    """Runs `handler` under the tenant's limits; the ticket is settled whatever happens."""
+    ticket = await state.accounting.admit(tenant)
+    try:
+        return await handler(Caller(tenant, ticket))
+    except BaseException as e:
+        await ticket.done("", None)  # failed before any generation reported (a no-op if one did)
+        if isinstance(e, ClientDisconnected):
+            raise APIError(499, "client disconnected") from None
+        raise
 
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request, state: StateDep, tenant: TenantDep):
-    try:
-        return await state.serving.completions(body, request, _caller(state, tenant, body))
-    except ClientDisconnected:
-        raise APIError(499, "client disconnected") from None
+    return await _admitted(state, tenant, lambda caller: state.serving.completions(body, request, caller))
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep, tenant: TenantDep):
-    try:
-        return await state.serving.chat(body, request, _caller(state, tenant, body))
-    except ClientDisconnected:
-        raise APIError(499, "client disconnected") from None
+    return await _admitted(state, tenant, lambda caller: state.serving.chat(body, request, caller))
+
+
+@router.get("/usage")
+async def usage(
+    state: StateDep,
+    tenant: TenantDep,
+    start: Annotated[dt.date | None, Query(alias="from")] = None,
+    end: Annotated[dt.date | None, Query(alias="to")] = None,
+    adapter: str | None = None,
+):
+    """The calling tenant's own usage by adapter and day ("" is the base model)."""
+    return await usage_json(state, tenant or "", adapter, start, end)
 
 
 @router.get("/models")
