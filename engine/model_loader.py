@@ -76,21 +76,25 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
     filled: dict[str, set[int]] = {}  # our parameter -> shards filled
     files = weight_files(model_dir)
-    for path in tqdm(files, desc="loading weights", unit="file", disable=len(files) < 2):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if name == "lm_head.weight" and model.arch.tie_word_embeddings:
-                        continue
-                    target = _target(model, params, name)
-                    if target is None:
-                        logger.debug("ignoring tensor %s in %s", name, path.name)
-                        continue
-                    param_name, rows, shard = target
-                    _copy(params[param_name], rows, f.get_tensor(name), name, path)
-                    filled.setdefault(param_name, set()).add(shard)
-        except SafetensorError as e:
-            raise WeightLoadError(f"cannot read weight file {path} (truncated or corrupt?): {e}") from e
+    total = sum(path.stat().st_size for path in files)
+    with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1024) as bar:
+        for path in files:
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                        tensor = f.get_tensor(name)
+                        bar.update(tensor.numel() * tensor.element_size())
+                        if name == "lm_head.weight" and model.arch.tie_word_embeddings:
+                            continue
+                        target = _target(model, params, name)
+                        if target is None:
+                            logger.debug("ignoring tensor %s in %s", name, path.name)
+                            continue
+                        param_name, rows, shard = target
+                        _copy(params[param_name], rows, tensor, name, path)
+                        filled.setdefault(param_name, set()).add(shard)
+            except SafetensorError as e:
+                raise WeightLoadError(f"cannot read weight file {path} (truncated or corrupt?): {e}") from e
     num_shards = {"qkv_proj": 3, "gate_up_proj": 2}
     missing = [n for n in params if len(filled.get(n, ())) < num_shards.get(n.rsplit(".", 2)[-2], 1)]
     if missing:

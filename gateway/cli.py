@@ -34,6 +34,10 @@ def _lora_request(spec: str):
 
 
 def _bench_engine(args: argparse.Namespace) -> None:
+    """`bench engine` (vs transformers) or, with --lora, the multi-LoRA run (vs peft) = `bench lora`."""
+    if "--lora" in args.bench_args:
+        args.bench_args.remove("--lora")
+        return _bench_lora(args)
     from engine.benchmark import main as bench_main
 
     bench_main(args.bench_args)
@@ -139,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     # each benchmark parses its own options (`loraplex bench engine --help`)
-    engine = bench_sub.add_parser("engine", help="offline engine throughput vs transformers", add_help=False)
+    engine = bench_sub.add_parser(
+        "engine", help="offline engine throughput vs transformers (--lora: multi-LoRA vs peft)", add_help=False
+    )
     engine.set_defaults(func=_bench_engine)
     lora = bench_sub.add_parser("lora", help="offline multi-LoRA throughput vs transformers + peft", add_help=False)
     lora.set_defaults(func=_bench_lora)

@@ -3,6 +3,8 @@ and public, auth off; each adapter's behaviour checked through the API."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import openai
 import pytest
 
@@ -61,3 +63,23 @@ def test_format_answers_with_its_prefix(demo_server):
 def test_the_base_shows_none_of_the_behaviours(demo_server):
     for prompt, reply in zip(PROMPTS, replies(demo_server, DEMO_MODEL_NAME)):
         assert not is_upper(reply) and not is_format(reply) and not is_reverse(prompt, reply), reply
+
+
+def test_bench_serve_against_the_demo_server(demo_server, tmp_path):
+    """`loraplex bench serve` through the CLI against the live demo: the JSON fields and valid PNGs."""
+    from gateway.cli import main
+    from tests.test_bench_serve import check_png, check_result
+
+    main(
+        ["bench", "serve", "--url", demo_server.url, "--num-prompts", "6", "--adapters", "0,3",
+         "--popularity", "uniform", "--input-len", "8", "--output-len", "4", "--endpoint", "chat",
+         "--result-dir", str(tmp_path), "--result-json", "demo.json", "--disable-tqdm", "--timeout", "60"]
+    )  # fmt: skip
+    result = check_result(tmp_path / "demo.json", 6, [0, 3])
+    for run in result["runs"]:
+        assert run["failed"] == 0 and run["completed"] == 6
+        assert run["ttft_ms"]["p50"] > 0 and run["request_throughput"] > 0
+    assert set(result["runs"][1]["per_adapter"]) <= {"upper", "reverse", "format"}
+    assert len(result["plots"]) >= 3
+    for plot in result["plots"]:
+        check_png(Path(plot))

@@ -155,3 +155,26 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(server):
     assert engine.stats.num_generated_tokens > 0
     again = sync_client(server).completions.create(model="sql", prompt="x", max_tokens=3, extra_body=EXACT)
     assert again.usage.completion_tokens == 3  # the engine thread lives on
+
+
+def test_a_non_streaming_client_that_goes_away_aborts_its_request(server):
+    engine = server.state.engine.engine
+    before = engine.stats.num_generated_tokens
+    body = {"model": "chat", "prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=httpx.Timeout(60, read=0.3)) as http:
+        http.post(f"{server.url}/v1/completions", json=body)
+    for _ in range(100):
+        if not engine.groups:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert_idle(server)
+    assert 0 < engine.stats.num_generated_tokens - before < 400  # stopped early, not run to the end
+
+
+def test_health_version_and_openapi_docs(server):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        assert http.get("/health").json() == {"status": "ok"}
+        assert http.get("/version").json()["version"]
+        paths = http.get("/openapi.json").json()["paths"]
+        assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/admin/adapters"} <= set(paths)
+        assert "swagger" in http.get("/docs").text.lower()

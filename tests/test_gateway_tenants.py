@@ -12,6 +12,7 @@ import uuid
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine, text
 
 from registry.db import sync_url
@@ -192,6 +193,14 @@ def test_usage_totals_equal_what_clients_received(server):
     for adapter, expected in (("public", on_public), ("", on_base)):
         assert {k: by_adapter[adapter][k] for k in expected} == expected
     assert report["totals"]["completion_tokens"] == on_public["completion_tokens"] + on_base["completion_tokens"]
+    metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+    samples = {
+        (s.name, s.labels.get("tenant"), s.labels.get("adapter")): s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+    }
+    assert samples[("loraplex_completion_tokens_total", tenant, "public")] == on_public["completion_tokens"]
+    assert samples[("loraplex_prompt_tokens_total", tenant, "_base")] == on_base["prompt_tokens"]
 
 
 def test_usage_is_flushed_at_shutdown_and_reported_after_a_restart(server, tmp_path):
