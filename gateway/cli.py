@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     args.bench_args = extra
     level = args.log_level or os.environ.get("LORAPLEX_LOG_LEVEL") or "info"
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))  # no line per request
     args.func(args)
 
 

@@ -63,6 +63,8 @@ def _k_axis(ax, ks: list[int]) -> None:
     ax.set_xscale("symlog", linthresh=1)
     ax.set_xticks(ks, [str(k) for k in ks])
     ax.xaxis.set_minor_locator(NullLocator())
+    low, high = min(ks), max(ks)
+    ax.set_xlim(low - 0.5 if low < 1 else low / 1.5, high * 1.5)  # no empty decades before the first K
     ax.grid(alpha=0.3)
 
 
