@@ -149,6 +149,14 @@ def test_a_private_adapter_is_invisible_to_other_tenants(server, tiny):
         assert private not in http.get("/v1/usage").text
     assert private in {m.id for m in mine.models.list().data}  # still there
 
+    with admin(server) as http:  # deleting the tenant takes its keys and private adapters with it
+        assert http.delete(f"/admin/tenants/{owner}").json()["adapters_deleted"] == [f"{private}@1"]
+        assert_openai_error(http.get(f"/admin/adapters/{private}"), 404)
+        assert_openai_error(http.get(f"/admin/tenants/{owner}"), 404)
+        assert owner not in {t["name"] for t in http.get("/admin/tenants").json()["data"]}
+    with pytest.raises(openai.AuthenticationError):
+        mine.models.list()
+
 
 def sent(server, key: str, model: str, requests: list[dict]) -> dict[str, int]:
     """Sends completions / chats (stream or not) and sums the usage fields the client received."""
