@@ -95,6 +95,8 @@ class AdapterService:
         if version is not None and await self.registry.get(name, version, ALL_TENANTS) is not None:
             raise APIError(409, f"adapter '{name}@{version}' is already registered", param="version", code="conflict")
         version = version or await self.registry.next_version(name)
+        # a name@version new to the registry: whatever this process still holds under it is stale
+        await self._evict(LoRARequest(f"{name}@{version}", str(resolved)))
         weights = await self.validate(f"{name}@{version}", resolved)
         config = read_adapter_config(resolved, name)
         row = Adapter(
@@ -149,13 +151,21 @@ class AdapterService:
             error = model_not_found(model)
             error.param = param
             raise error
+        cached = self.cache.digest(lora_request(adapter))
+        if cached is not None and cached != adapter.digest:
+            # name@version was deleted and registered again with other weights (perhaps through another
+            # replica): what this process holds is stale, so it is read again
+            logger.info("adapter '%s' changed in the registry; reloading it", adapter.adapter_id)
+            await self.evict(adapter)
         return adapter
 
     # ---- the cache tiers --------------------------------------------------------------------------------
     async def evict(self, adapter: Adapter) -> bool:
         """Drops the adapter from host memory and its device row (at once, or when the requests using it
         finish); returns whether it is still pinned by running requests."""
-        lora = lora_request(adapter)
+        return await self._evict(lora_request(adapter))
+
+    async def _evict(self, lora: LoRARequest) -> bool:
         return await self.engine.run_on_engine(lambda: self.cache.evict(lora))
 
     async def delete(self, name: str, version: str | None, tenant: str | None = ALL_TENANTS) -> list[Adapter]:

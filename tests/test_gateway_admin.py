@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from safetensors.torch import load_file, save_file
 
+from adapters.ref import LoRARequest
 from tests.gateway_server import ADMIN_KEY, BASE, ServerThread, build_tiny, make_adapter, settings_for
 from tests.hf_models import make_model
 
@@ -218,3 +220,30 @@ def test_openai_client_sees_not_found_as_its_exception(server):
     with pytest.raises(openai.NotFoundError) as caught:
         api.completions.create(model="no-such-adapter", prompt="x")
     assert caught.value.body["param"] == "model"
+
+
+def test_a_name_version_re_registered_on_another_replica_never_serves_the_old_weights(http, server, tiny):
+    """Replica B (same registry) deletes swap@1 and registers other weights under the same name, version and
+    path; replica A, which holds the old weights in memory, must serve the new ones."""
+    root, _, adapters = tiny
+    directory = root / "adapters" / "swap"
+    shutil.rmtree(directory, ignore_errors=True)  # the fixture's directory is shared by both databases' runs
+    shutil.copytree(adapters["extra"], directory)
+    prompt = {"prompt": "Call me", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    assert http.post("/admin/adapters", headers=ADMIN, json={"name": "swap", "path": str(directory)}).status_code == 201
+    old = complete(http, "swap", **prompt).json()
+    with ServerThread(server.state.settings) as replica, httpx.Client(base_url=replica.url, timeout=60) as other:
+        assert other.delete("/admin/adapters/swap", headers=ADMIN).status_code == 200
+        shutil.rmtree(directory)
+        shutil.copytree(adapters["v2"], directory)
+        body = {"name": "swap", "path": str(directory), "version": "1"}
+        assert other.post("/admin/adapters", headers=ADMIN, json=body).status_code == 201
+        on_b = complete(other, "swap", **prompt).json()
+    on_a = complete(http, "swap", **prompt).json()
+    assert on_a["choices"][0]["text"] == on_b["choices"][0]["text"] != old["choices"][0]["text"]
+    digest = http.get("/admin/adapters/swap", headers=ADMIN).json()["digest"]
+    assert server.state.engine.engine.adapter_cache.digest(lora_request_of("swap@1", directory)) == digest
+
+
+def lora_request_of(adapter_id: str, path) -> LoRARequest:
+    return LoRARequest(adapter_id, str(Path(path).resolve()))
