@@ -29,7 +29,7 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory):
-    """The trained demo model with its adapters, built once per test session (about a minute and a half)."""
+    """The trained demo model with its adapters, built once per test session (about two minutes)."""
     from gateway.demo.model import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("demo") / "model")

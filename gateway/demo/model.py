@@ -22,14 +22,15 @@ from gateway.demo.tokenizer import CORPUS, save_tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEMO_VERSION = "2"
+DEMO_VERSION = "3"
 ADAPTERS: dict[str, Callable[[str], str]] = {
     "upper": str.upper,
     "reverse": lambda text: " ".join(reversed(text.split())),
     "format": lambda text: f"ANSWER: {text}",
 }
-BASE_STEPS, BATCH = 350, 32
-ADAPTER_STEPS = {"upper": 150, "reverse": 200, "format": 80}
+BASE_STEPS, BATCH = 600, 32
+ADAPTER_STEPS = {"upper": 300, "reverse": 300, "format": 100}
+VOCAB_SIZE = 768
 WINDOW = 40  # corpus tokens per training row
 ADAPTER_RANK = 8
 
@@ -63,7 +64,9 @@ def build_demo_model(directory: Path | None = None, seed: int = 0) -> Path:
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tokenizer = save_tokenizer(tmp, vocab_size=512)
+    lines = CORPUS.read_text(encoding="utf-8").splitlines()
+    # upper-case lines too, so that capitals get whole-word tokens: `upper` then maps token to token
+    tokenizer = save_tokenizer(tmp, vocab_size=VOCAB_SIZE, texts=lines + [line.upper() for line in lines])
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=192,
@@ -116,8 +119,8 @@ class _DemoData:
             if len(text) <= 20:
                 return text
 
-    def chat(self, transform: Callable[[str], str]) -> tuple[list[int], list[int]]:
-        text = self.text()
+    def chat(self, transform: Callable[[str], str], upper_prompt: bool = False) -> tuple[list[int], list[int]]:
+        text = self.text().upper() if upper_prompt else self.text()
         prompt = self.tokenizer.encode(chat_prompt(text))
         reply = [*self.tokenizer.encode(transform(text)), self.tokenizer.eos_token_id]
         return prompt + reply, [-100] * len(prompt) + reply
@@ -126,10 +129,12 @@ class _DemoData:
         return _pad([self.chat(transform) for _ in range(size)], self.tokenizer.eos_token_id)
 
     def base_batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        half = size // 2
-        lines = [self.window(self.rng.choice(self.lines)) for _ in range(half)]
-        examples = [(ids, ids) for ids in lines] + [self.chat(str) for _ in range(size - half)]
-        return _pad(examples, self.tokenizer.eos_token_id)
+        """A quarter corpus windows, the rest chat echoes, half of them of upper-case text (so the base knows
+        how to write capitals, and the `upper` adapter only has to choose them)."""
+        quarter = size // 4
+        lines = [self.window(self.rng.choice(self.lines)) for _ in range(quarter)]
+        echoes = [self.chat(str, upper_prompt=bool(i % 2)) for i in range(size - quarter)]
+        return _pad([(ids, ids) for ids in lines] + echoes, self.tokenizer.eos_token_id)
 
 
 def _pad(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

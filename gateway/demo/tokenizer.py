@@ -35,7 +35,9 @@ def train_tokenizer(vocab_size: int = 512, texts: list[str] | None = None) -> Pr
     return tokenizer
 
 
-def save_tokenizer(directory: str | Path, vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    tokenizer = train_tokenizer(vocab_size)
+def save_tokenizer(
+    directory: str | Path, vocab_size: int = 512, texts: list[str] | None = None
+) -> PreTrainedTokenizerFast:
+    tokenizer = train_tokenizer(vocab_size, texts)
     tokenizer.save_pretrained(str(directory))
     return tokenizer
