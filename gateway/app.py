@@ -27,7 +27,7 @@ from gateway.metrics import ErrorCounter, GatewayMetrics
 from gateway.openai_serving import OpenAIServing
 from gateway.routes import admin_adapters, admin_tenants, health, metrics, openai, vllm_adapters
 from gateway.routes.health import package_version
-from gateway.settings import DEMO_MODEL_NAME, ServeSettings
+from gateway.settings import ServeSettings
 from gateway.state import GatewayState
 from gateway.usage import UsageFlusher, make_usage_store
 from registry import db
@@ -63,10 +63,10 @@ def _model_and_modules(settings: ServeSettings) -> tuple[str, str, list[tuple[st
         model_dir = build_demo_model()
         if not modules:
             modules = [(name, str(path)) for name, path in demo_adapters(model_dir).items()]
-        return str(model_dir), settings.served_model_name or DEMO_MODEL_NAME, modules
+        return str(model_dir), settings.base_model_name, modules
     if not Path(settings.model).is_dir():
         raise FileNotFoundError(f"--model {settings.model!r} is not a directory")
-    return settings.model, settings.served_model_name or settings.model, modules
+    return settings.model, settings.base_model_name, modules
 
 
 async def start(settings: ServeSettings) -> GatewayState:

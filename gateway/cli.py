@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     database = sub.add_parser("db", help="the registry database")
     db_sub = database.add_subparsers(dest="db_command", required=True)
     upgrade = db_sub.add_parser("upgrade", help="apply the schema migrations (serve also does at start)")
-    _add_settings_flags(upgrade, only={"database_url"})
+    _add_settings_flags(upgrade, only={"database_url", "model", "served_model_name"})  # the latter two name the default
     upgrade.set_defaults(func=_db_upgrade)
 
     bench = sub.add_parser("bench", help="benchmarks")

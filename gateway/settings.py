@@ -6,20 +6,25 @@ e.g. `LORAPLEX_LORA_MODULES='["sql=/adapters/sql"]'`.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from functools import cached_property
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "LORAPLEX_"
 DEMO_MODEL_NAME = "loraplex-demo"
 
 
-def default_database_url() -> str:
+def default_database_url(served_model: str) -> str:
+    """A SQLite file per served model: adapters registered against one base never show up under another."""
     data = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share"))
-    return f"sqlite:///{data / 'loraplex' / 'registry.db'}"
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", served_model).strip("_.")[-48:] or "model"
+    digest = hashlib.sha256(served_model.encode()).hexdigest()[:8]
+    return f"sqlite:///{data / 'loraplex' / f'registry-{slug}-{digest}.db'}"
 
 
 def parse_size(value: str | int | None) -> int | None:
@@ -60,8 +65,10 @@ class ServeSettings(BaseSettings):
     max_lora_rank: int = Field(16, description="highest adapter rank accepted")
     max_cpu_loras: int | None = Field(None, description="adapters kept in host memory (default 4 x max-loras)")
     allow_pickle_adapters: bool = Field(False, description="accept adapter_model.bin (loaded with weights_only)")
-    database_url: str = Field(
-        default_factory=default_database_url, description="registry database: sqlite:///FILE or postgresql://..."
+    database_url: str | None = Field(
+        None,
+        description="registry database: sqlite:///FILE or postgresql://... (default: a SQLite file per served "
+        "model under ~/.local/share/loraplex)",
     )
     adapter_root: list[str] = Field(
         default_factory=list, description="directories adapters may be registered from (repeatable)"
@@ -80,6 +87,17 @@ class ServeSettings(BaseSettings):
     timeout_graceful_shutdown: float = Field(30.0, description="seconds running requests get to finish on exit")
     seed: int = Field(0, description="engine seed for unseeded sampling")
     log_level: str = Field("info", description="debug | info | warning | error")
+
+    @model_validator(mode="after")
+    def _default_database(self) -> ServeSettings:
+        if self.database_url is None:
+            self.database_url = default_database_url(self.base_model_name)
+        return self
+
+    @property
+    def base_model_name(self) -> str:
+        """The name clients use for the base model."""
+        return self.served_model_name or self.model or DEMO_MODEL_NAME
 
     @property
     def is_demo(self) -> bool:

@@ -71,3 +71,15 @@ def test_help_names_every_setting_and_its_environment_variable(capsys):
     for name in ServeSettings.model_fields:
         if name != "log_level":
             assert "--" + name.replace("_", "-") in text and ENV_PREFIX + name.upper() in text.replace(" ", "")
+
+
+def test_the_default_registry_is_one_sqlite_file_per_served_model(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    demo, llama, named = (
+        ServeSettings().database_url,
+        ServeSettings(model="/models/llama").database_url,
+        ServeSettings(model="/models/llama", served_model_name="llama").database_url,
+    )
+    assert len({demo, llama, named}) == 3
+    assert all(url.startswith(f"sqlite:///{tmp_path}/loraplex/registry-") for url in (demo, llama, named))
+    assert ServeSettings(database_url="postgresql://db/x").database_url == "postgresql://db/x"
