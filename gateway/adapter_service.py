@@ -46,7 +46,7 @@ def lora_request(adapter: Adapter) -> LoRARequest:
     return LoRARequest(adapter.adapter_id, adapter.path)
 
 
-def parse_lora_module(spec: str) -> tuple[str, str]:
+def parse_lora_module(spec: str, flag: str = "--lora-modules") -> tuple[str, str]:
     """`name=path` or vLLM's JSON `{"name": ..., "path": ..., "base_model_name": ...}` -> (name, path)."""
     spec = spec.strip()
     if spec.startswith("{"):
@@ -54,10 +54,10 @@ def parse_lora_module(spec: str) -> tuple[str, str]:
             data = json.loads(spec)
             return str(data["name"]), str(data["path"])
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"--lora-modules: bad JSON entry {spec!r} (needs name and path): {e}") from None
+            raise ValueError(f"{flag}: bad JSON entry {spec!r} (needs name and path): {e}") from None
     name, sep, path = spec.partition("=")
     if not sep or not name or not path:
-        raise ValueError(f"--lora-modules expects name=path or JSON, got {spec!r}")
+        raise ValueError(f"{flag} expects NAME=PATH or JSON, got {spec!r}")
     return name, path
 
 

@@ -26,11 +26,12 @@ def _generate(args: argparse.Namespace) -> None:
 
 def _lora_request(spec: str):
     from adapters.ref import LoRARequest
+    from gateway.adapter_service import parse_lora_module
 
-    name, sep, path = spec.partition("=")
-    if not sep or not name or not path:
-        raise SystemExit(f"--lora expects NAME=PATH, got {spec!r}")
-    return LoRARequest(name, path)
+    try:
+        return LoRARequest(*parse_lora_module(spec, flag="--lora"))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def _bench_engine(args: argparse.Namespace) -> None:

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
 from engine.async_engine import AsyncEngine
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 from gateway.accounting import Ticket
@@ -50,6 +50,11 @@ class _Choice:
     logprobs: list | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+
+
+def _is_empty(delta: CompletionOutput) -> bool:
+    """A delta with nothing to send (text held back, say for a stop string): no chunk is streamed for it."""
+    return not delta.text and delta.finish_reason is None and not delta.logprobs
 
 
 class OpenAIServing:
@@ -182,7 +187,7 @@ class OpenAIServing:
         try:
             async for i, out in stream:
                 for delta in out.outputs:
-                    if not delta.text and delta.finish_reason is None and not delta.logprobs:
+                    if _is_empty(delta):
                         continue
                     index = i * body.n + delta.index
                     logprobs = None
@@ -267,7 +272,7 @@ class OpenAIServing:
                 yield chunk(index, {"role": "assistant", "content": ""})
             async for _, out in stream:
                 for delta in out.outputs:
-                    if not delta.text and delta.finish_reason is None and not delta.logprobs:
+                    if _is_empty(delta):
                         continue
                     logprobs = chat_logprobs(delta.logprobs, self.token_text) if delta.logprobs is not None else None
                     content = {"content": delta.text} if delta.text else {}

@@ -3,7 +3,6 @@ subprocess (for restarts and signals). Both listen on 127.0.0.1 with a port the 
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 import signal
@@ -13,12 +12,9 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-from peft import LoraConfig, get_peft_model
-
 from gateway.server import make_server
 from gateway.settings import ServeSettings
-from tests.hf_models import make_model
+from tests.hf_models import make_adapter, make_model
 
 ADMIN_KEY = "test-admin-key"
 BASE = "tiny-llama"
@@ -87,14 +83,6 @@ class ServerProcess:
         if self.process is not None and self.process.poll() is None:
             self.stop()
         self.log.close()
-
-
-def make_adapter(hf_model, directory, seed: int, r: int = 8, targets="all-linear") -> str:
-    """A random PEFT LoRA (B != 0) on `hf_model`, saved to `directory`."""
-    torch.manual_seed(seed)
-    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False)
-    get_peft_model(copy.deepcopy(hf_model), config).save_pretrained(str(directory))
-    return str(directory)
 
 
 def build_tiny(root: Path, tokenizer, ranks: dict[str, int]):

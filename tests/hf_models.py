@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
+from peft import LoraConfig, get_peft_model
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -53,3 +55,11 @@ def make_model(
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return model
+
+
+def make_adapter(hf_model, directory, seed: int, r: int = 8, targets="all-linear") -> str:
+    """A random PEFT LoRA (B != 0) on `hf_model`, saved to `directory`."""
+    torch.manual_seed(seed)
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False)
+    get_peft_model(copy.deepcopy(hf_model), config).save_pretrained(str(directory))
+    return str(directory)

@@ -15,8 +15,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from adapters.ref import LoRARequest
-from tests.gateway_server import ADMIN_KEY, BASE, ServerThread, build_tiny, make_adapter, settings_for
-from tests.hf_models import make_model
+from tests.gateway_server import ADMIN_KEY, BASE, ServerThread, build_tiny, settings_for
+from tests.hf_models import make_adapter, make_model
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 

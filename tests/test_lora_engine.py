@@ -4,14 +4,11 @@ identity in the prefix cache, and bad adapters refused without harming anyone el
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import shutil
 import threading
 
 import pytest
-import torch
-from peft import LoraConfig, get_peft_model
 
 from adapters.lora_weights import AdapterError
 from adapters.ref import LoRARequest
@@ -20,25 +17,18 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
-from tests.hf_models import make_model
+from tests.hf_models import make_adapter, make_model
 from tests.test_oracle import prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 NUM_ADAPTERS = 6
 
 
-def make_adapter(hf_model, directory, seed: int, r: int = 8) -> str:
-    torch.manual_seed(seed)
-    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", init_lora_weights=False)
-    get_peft_model(hf_model, config).save_pretrained(str(directory))
-    return str(directory)
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory, tokenizer):
     directory = tmp_path_factory.mktemp("lora-engine")
     hf = make_model(directory / "base", tokenizer, "llama")
-    paths = [make_adapter(copy.deepcopy(hf), directory / f"a{i}", seed=i) for i in range(NUM_ADAPTERS)]
+    paths = [make_adapter(hf, directory / f"a{i}", seed=i) for i in range(NUM_ADAPTERS)]
     return directory / "base", [LoRARequest(f"a{i}", p) for i, p in enumerate(paths)], hf
 
 
