@@ -1,7 +1,7 @@
 """build_app: the FastAPI application, its routers and error handlers, and the lifespan that starts (and
 cleanly stops) the registry, the engine and the services.
 
-Start-up order: the model directory (the embedded demo is built on first use) → database migrations →
+Start-up order: the model (a directory or a GGUF file) → database migrations →
 the engine (weights loaded, KV pool allocated) → `--lora-modules` registered (validated, idempotent) → ready.
 """
 
@@ -55,17 +55,12 @@ def engine_config(settings: ServeSettings, model_dir: str) -> EngineConfig:
 
 
 def _model_and_modules(settings: ServeSettings) -> tuple[str, str, list[tuple[str, str]]]:
-    """(model directory, served name, lora modules); the demo brings its own three adapters."""
+    """(model path, served name, lora modules)."""
     modules = [parse_lora_module(spec) for spec in settings.lora_modules]
-    if settings.is_demo:
-        from gateway.demo.model import build_demo_model, demo_adapters
-
-        model_dir = build_demo_model()
-        if not modules:
-            modules = [(name, str(path)) for name, path in demo_adapters(model_dir).items()]
-        return str(model_dir), settings.base_model_name, modules
-    if not Path(settings.model).is_dir():
-        raise FileNotFoundError(f"--model {settings.model!r} is not a directory")
+    if settings.model is None:
+        raise ValueError("no --model given (the `loraplex serve` command brings the embedded demo)")
+    if not Path(settings.model).exists():
+        raise FileNotFoundError(f"--model {settings.model!r}: no such model directory or GGUF file")
     return settings.model, settings.base_model_name, modules
 
 

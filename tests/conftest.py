@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from gateway.demo.tokenizer import train_tokenizer
+    from loraplex.demo.tokenizer import train_tokenizer
 
     return train_tokenizer()
 
@@ -30,7 +30,7 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory):
     """The trained demo model with its adapters, built once per test session (about two minutes)."""
-    from gateway.demo.model import build_demo_model
+    from loraplex.demo.model import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("demo") / "model")
 

@@ -61,7 +61,7 @@ class ServerProcess:
         self.url: str | None = None
 
     def __enter__(self) -> ServerProcess:
-        command = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", "0", *self.args]
+        command = [sys.executable, "-m", "loraplex.cli", "serve", "--host", "127.0.0.1", "--port", "0", *self.args]
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         self.log = open(self.log_path, "a")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)

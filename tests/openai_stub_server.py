@@ -1,4 +1,4 @@
-"""A STAND-IN server, used only to unit-test the benchmark client (gateway/bench): it is not loraplex.
+"""A STAND-IN server, used only to unit-test the benchmark client (bench): it is not loraplex.
 
 No model runs here. It speaks just enough of the API the benchmark targets, over a real socket on 127.0.0.1
 (FastAPI + uvicorn in a background thread, on a free port):

@@ -1,4 +1,4 @@
-"""`loraplex bench serve | sweep` (gateway/bench) against a real socket on 127.0.0.1.
+"""`loraplex bench serve | sweep` (bench) against a real socket on 127.0.0.1.
 
 The server here is tests/openai_stub_server.py, a stand-in that streams canned tokens; `check_result` is
 written to be reused unchanged against a live loraplex server.
@@ -18,9 +18,9 @@ from transformers import AutoConfig
 
 from adapters.base_spec import BaseModelSpec
 from adapters.lora_weights import load_lora
-from gateway.bench import serve, sweep
-from gateway.bench.client import Target, list_models
-from gateway.bench.workload import (
+from bench import serve, sweep
+from bench.client import Target, list_models
+from bench.workload import (
     WorkloadOptions,
     arrival_times,
     build_requests,

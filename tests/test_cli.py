@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from gateway import cli
-from gateway.demo.model import build_demo_model, demo_dir
+from loraplex.demo.model import build_demo_model, demo_dir
 
 
 def test_generate_with_the_embedded_demo_model(demo_model_dir, tmp_path, monkeypatch, capsys):

@@ -9,7 +9,7 @@ import pytest
 from adapters.ref import LoRARequest
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from gateway.demo.model import ADAPTER_RANK, chat_prompt, demo_adapters
+from loraplex.demo.model import ADAPTER_RANK, chat_prompt, demo_adapters
 
 PROMPTS = ["the white rabbit", "sister book day", "quick brown fox"]
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.cli import build_parser
 from gateway.routes.health import router as health_router
 from gateway.settings import ENV_PREFIX, ServeSettings
+from loraplex.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

@@ -8,8 +8,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from gateway.demo.model import DEMO_VERSION
 from gateway.settings import DEMO_MODEL_NAME, ServeSettings
+from loraplex.cli import with_demo
+from loraplex.demo.model import DEMO_VERSION
 from tests.gateway_server import ServerThread
 from tests.test_demo_model import PROMPTS, is_format, is_reverse, is_upper
 
@@ -23,7 +24,7 @@ def demo_server(demo_model_dir, tmp_path_factory):
     patch.setenv("XDG_CACHE_HOME", str(cache))
     settings = ServeSettings(database_url=f"sqlite:///{cache / 'registry.db'}", device="cpu")
     try:
-        with ServerThread(settings) as server:
+        with ServerThread(with_demo(settings)) as server:
             yield server
     finally:
         patch.undo()
@@ -67,7 +68,7 @@ def test_the_base_shows_none_of_the_behaviours(demo_server):
 
 def test_bench_serve_against_the_demo_server(demo_server, tmp_path):
     """`loraplex bench serve` through the CLI against the live demo: the JSON fields and valid PNGs."""
-    from gateway.cli import main
+    from loraplex.cli import main
     from tests.test_bench_serve import check_png, check_result
 
     main(

@@ -51,7 +51,7 @@ def stream_through_stop(server: ServerProcess, sig: int) -> list[dict]:
 
 def test_registered_adapters_survive_a_restart_until_deleted(tiny, registry_url, tmp_path):
     root, _, adapters = tiny
-    upgrade = [sys.executable, "-m", "gateway.cli", "db", "upgrade", "--database-url", registry_url]
+    upgrade = [sys.executable, "-m", "loraplex.cli", "db", "upgrade", "--database-url", registry_url]
     subprocess.run(upgrade, check=True, capture_output=True, timeout=120)
     log = tmp_path / "serve.log"
     args = serve_args(root, adapters, registry_url)

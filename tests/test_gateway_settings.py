@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.adapter_service import parse_lora_module
-from gateway.cli import _settings, build_parser
 from gateway.settings import ENV_PREFIX, ServeSettings, parse_size
+from loraplex.cli import _settings, build_parser
 
 
 def settings(argv: list[str]) -> ServeSettings:

@@ -11,9 +11,9 @@ import sys
 def _generate(args: argparse.Namespace) -> None:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
-    from gateway.demo.model import build_demo_model
+    from loraplex.demo import build_demo
 
-    model = args.model or str(build_demo_model())
+    model = args.model or str(build_demo().model)
     lora = _lora_request(args.lora) if args.lora else None
     options = {"enable_lora": True, "max_lora_rank": args.max_lora_rank} if lora else {}
     llm = LLM(model=model, dtype=args.dtype, device=args.device, **options)
@@ -39,25 +39,25 @@ def _bench_engine(args: argparse.Namespace) -> None:
     if "--lora" in args.bench_args:
         args.bench_args.remove("--lora")
         return _bench_lora(args)
-    from engine.benchmark import main as bench_main
+    from bench.engine import main as bench_main
 
     bench_main(args.bench_args)
 
 
 def _bench_lora(args: argparse.Namespace) -> None:
-    from engine.lora_benchmark import main as bench_main
+    from bench.lora import main as bench_main
 
     bench_main(args.bench_args)
 
 
 def _bench_serve(args: argparse.Namespace) -> None:
-    from gateway.bench.serve import main as bench_main
+    from bench.serve import main as bench_main
 
     bench_main(args.bench_args)
 
 
 def _bench_sweep(args: argparse.Namespace) -> None:
-    from gateway.bench.sweep import main as bench_main
+    from bench.sweep import main as bench_main
 
     bench_main(args.bench_args)
 
@@ -65,7 +65,24 @@ def _bench_sweep(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     from gateway.server import serve
 
-    serve(_settings(args))
+    settings = _settings(args)
+    serve(with_demo(settings) if settings.model is None else settings)
+
+
+def with_demo(settings):
+    """No --model: the embedded demo (built on first use), its adapters, and no API keys unless asked for."""
+    from loraplex.demo import build_demo
+
+    demo = build_demo()
+    modules = settings.lora_modules or [f"{name}={path}" for name, path in demo.adapters.items()]
+    return settings.model_copy(
+        update={
+            "model": str(demo.model),
+            "served_model_name": settings.base_model_name,
+            "lora_modules": modules,
+            "disable_auth": True if settings.disable_auth is None else settings.disable_auth,
+        }
+    )
 
 
 def _settings(args: argparse.Namespace):

@@ -18,12 +18,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gateway.bench import BenchError
-from gateway.bench.admin import AdminClient
-from gateway.bench.client import base_and_adapters, list_models
-from gateway.bench.random_adapters import ALL_MODULES, DTYPES, AdapterShape, write_random_adapters
-from gateway.bench.report import print_runs_by_count, write_result
-from gateway.bench.serve import (
+from bench import BenchError
+from bench.admin import AdminClient
+from bench.client import base_and_adapters, list_models
+from bench.random_adapters import ALL_MODULES, DTYPES, AdapterShape, write_random_adapters
+from bench.report import print_runs_by_count, write_result
+from bench.serve import (
     add_common_options,
     check_common_options,
     draw_plots,

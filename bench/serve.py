@@ -17,12 +17,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from gateway.bench import BenchError, plots
-from gateway.bench.client import ENDPOINTS, Target, base_and_adapters, list_models
-from gateway.bench.metrics import summarize
-from gateway.bench.report import print_run, print_runs_by_count, write_result
-from gateway.bench.runner import RunLimits, run_requests
-from gateway.bench.workload import POPULARITY_LAWS, WorkloadOptions, build_requests, parse_popularity
+from bench import BenchError, plots
+from bench.client import ENDPOINTS, Target, base_and_adapters, list_models
+from bench.metrics import summarize
+from bench.report import print_run, print_runs_by_count, write_result
+from bench.runner import RunLimits, run_requests
+from bench.workload import POPULARITY_LAWS, WorkloadOptions, build_requests, parse_popularity
 
 SECRET_OPTIONS = ("api_key", "admin_key")  # never written to the result JSON
 

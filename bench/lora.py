@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from adapters.ref import LoRARequest
-from engine.benchmark import build_model, workload
+from bench.engine import build_model, workload
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import httpx
 
-from gateway.bench import BenchError
-from gateway.bench.client import error_message
+from bench import BenchError
+from bench.client import error_message
 
 
 class AdminClient:

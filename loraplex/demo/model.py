@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from gateway.demo.tokenizer import CORPUS, save_tokenizer
+from loraplex.demo.tokenizer import CORPUS, save_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from gateway.bench import BenchError
-from gateway.bench.workload import RequestSpec
+from bench import BenchError
+from bench.workload import RequestSpec
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.bench import BenchError
+from bench import BenchError
 
 POPULARITY_LAWS = ("distinct", "identical", "uniform", "zipf:ALPHA")
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import httpx
 from tqdm import tqdm
 
-from gateway.bench.client import RequestRecord, Target, send_request
-from gateway.bench.workload import RequestSpec
+from bench.client import RequestRecord, Target, send_request
+from bench.workload import RequestSpec
 
 
 @dataclass(frozen=True, slots=True)

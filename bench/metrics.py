@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from gateway.bench.client import RequestRecord
+from bench.client import RequestRecord
 
 
 def latency_stats(values_s: list[float]) -> dict[str, float | None]:
