@@ -37,7 +37,7 @@ MODEL_56M = dict(
 def build_model(directory: Path, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from loraplex.demo.tokenizer import save_tokenizer
+    from bench.tokenizer import save_tokenizer
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**MODEL_56M)).eval()

@@ -74,6 +74,24 @@ class LLM:
                     bar.update(delta.finished)
         return [results[r.request_id] for r in requests]
 
+    def chat(
+        self,
+        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
+        """`generate` over conversations (lists of {"role", "content"}), each rendered with the tokenizer's chat
+        template and ready for the assistant's reply, as vLLM's `LLM.chat`."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if self.tokenizer.chat_template is None:
+            raise ValueError("the model's tokenizer has no chat template; use generate() with plain prompts")
+        prompts = [
+            {"prompt_token_ids": self.tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=False)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
     @staticmethod
     def _empty_output(request: EngineRequest) -> RequestOutput:
         outputs = [

