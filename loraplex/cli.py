@@ -70,19 +70,21 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def with_demo(settings):
-    """No --model: the embedded demo (built on first use), its adapters, and no API keys unless asked for."""
+    """No --model: the embedded demo (its adapters trained on first use), served without API keys unless asked."""
+    from gateway.settings import default_database_url
     from loraplex.demo import build_demo
 
     demo = build_demo()
-    modules = settings.lora_modules or [f"{name}={path}" for name, path in demo.adapters.items()]
-    return settings.model_copy(
-        update={
-            "model": str(demo.model),
-            "served_model_name": settings.base_model_name,
-            "lora_modules": modules,
-            "disable_auth": True if settings.disable_auth is None else settings.disable_auth,
-        }
-    )
+    name = settings.served_model_name or demo.name
+    update = {
+        "model": str(demo.model),
+        "served_model_name": name,
+        "lora_modules": settings.lora_modules or [f"{adapter}={path}" for adapter, path in demo.adapters.items()],
+        "disable_auth": True if settings.disable_auth is None else settings.disable_auth,
+    }
+    if "database_url" not in settings.model_fields_set:
+        update["database_url"] = default_database_url(name)
+    return settings.model_copy(update=update)
 
 
 def _settings(args: argparse.Namespace):

@@ -44,7 +44,7 @@ def encode(tokenizer, prompt: str, reply: str, max_len: int) -> tuple[list[int],
     prompt_ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
     )
-    reply_ids = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
+    reply_ids = [*tokenizer.encode(reply, add_special_tokens=False), tokenizer.eos_token_id]
     if len(prompt_ids) + len(reply_ids) > max_len:
         return None
     return prompt_ids + reply_ids, [-100] * len(prompt_ids) + reply_ids
