@@ -11,27 +11,43 @@ import sys
 def _generate(args: argparse.Namespace) -> None:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
-    from loraplex.demo import build_demo
 
-    model = args.model or str(build_demo().model)
-    lora = _lora_request(args.lora) if args.lora else None
+    model, demo_adapters = args.model, {}
+    if model is None:
+        from loraplex.demo import build_demo
+        from loraplex.demo.behaviours import HELD_OUT_PROMPTS
+
+        demo = build_demo()
+        model, demo_adapters = str(demo.model), demo.adapters
+        args.prompt = args.prompt or HELD_OUT_PROMPTS[:3]
+    lora = _lora_request(args.lora, demo_adapters) if args.lora else None
     options = {"enable_lora": True, "max_lora_rank": args.max_lora_rank} if lora else {}
     llm = LLM(model=model, dtype=args.dtype, device=args.device, **options)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    prompts = args.prompt or ["Alice was beginning to", "It was the best of times,", "Call me"]
-    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=True, lora_request=lora)):
+    prompts = args.prompt or ["Hello, my name is", "The capital of France is"]
+    chat = args.chat if args.chat is not None else llm.tokenizer.chat_template is not None
+    if chat:
+        conversations = [[{"role": "user", "content": p}] for p in prompts]
+        outputs = llm.chat(conversations, params, use_tqdm=True, lora_request=lora)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=True, lora_request=lora)
+    for prompt, out in zip(prompts, outputs):
         o = out.outputs[0]
         print(f"{prompt!r} -> {o.text!r}  [{len(o.token_ids)} tokens, {o.finish_reason}]")
 
 
-def _lora_request(spec: str):
+def _lora_request(spec: str, known: dict):
+    """NAME=PATH, vLLM's JSON form, or the name of a demo adapter."""
     from adapters.ref import LoRARequest
     from gateway.adapter_service import parse_lora_module
 
+    if spec in known:
+        return LoRARequest(spec, str(known[spec]))
     try:
         return LoRARequest(*parse_lora_module(spec, flag="--lora"))
     except ValueError as e:
-        raise SystemExit(str(e)) from None
+        names = f" or a demo adapter ({', '.join(known)})" if known else ""
+        raise SystemExit(f"{e}{names}") from None
 
 
 def _bench_engine(args: argparse.Namespace) -> None:
@@ -47,6 +63,12 @@ def _bench_engine(args: argparse.Namespace) -> None:
 def _bench_lora(args: argparse.Namespace) -> None:
     from bench.lora import main as bench_main
 
+    if "--demo" in args.bench_args:  # the embedded demo's model and adapters
+        from loraplex.demo import build_demo
+
+        args.bench_args.remove("--demo")
+        demo = build_demo()
+        args.bench_args += ["--model", str(demo.model), *(f"--lora={n}={p}" for n, p in demo.adapters.items())]
     bench_main(args.bench_args)
 
 
@@ -134,14 +156,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="offline generation (the embedded demo model unless --model)")
-    gen.add_argument("--model", help="a Hugging Face model directory; default: the embedded demo model")
+    gen.add_argument("--model", help="a Hugging Face model directory or a GGUF file; default: the embedded demo")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--device", default="auto")
-    gen.add_argument("--lora", metavar="NAME=PATH", help="a PEFT LoRA adapter to apply to every prompt")
+    gen.add_argument(
+        "--lora",
+        metavar="NAME=PATH",
+        help="a PEFT LoRA adapter for every prompt (the demo has json, pirate, signature)",
+    )
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="render each prompt as a user turn with the chat template (default: when the model has one)",
+    )
     gen.add_argument("--max-lora-rank", type=int, default=64)
     gen.set_defaults(func=_generate)
 

@@ -1,5 +1,6 @@
-"""`loraplex serve` with no --model: the embedded demo (from the user's cache), its three adapters registered
-and public, auth off; each adapter's behaviour checked through the API."""
+"""`loraplex serve` with no --model: the embedded demo (SmolLM2 + three adapters from the user's cache), the
+adapters registered and public, auth off; each adapter's behaviour checked through the HTTP API with the real
+`openai` client on held-out prompts, and the base shows none of them."""
 
 from __future__ import annotations
 
@@ -8,62 +9,51 @@ from pathlib import Path
 import openai
 import pytest
 
-from gateway.settings import DEMO_MODEL_NAME, ServeSettings
+from gateway.settings import ServeSettings
 from loraplex.cli import with_demo
-from loraplex.demo.model import DEMO_VERSION
+from loraplex.demo import DEMO_MODEL_NAME
+from loraplex.demo.behaviours import BEHAVIOURS, HELD_OUT_PROMPTS
 from tests.gateway_server import ServerThread
-from tests.test_demo_model import PROMPTS, is_format, is_reverse, is_upper
 
 
 @pytest.fixture(scope="module")
-def demo_server(demo_model_dir, tmp_path_factory):
-    cache = tmp_path_factory.mktemp("xdg-cache")
-    (cache / "loraplex").mkdir()
-    (cache / "loraplex" / f"demo-v{DEMO_VERSION}").symlink_to(demo_model_dir)  # the build is reused, not redone
-    patch = pytest.MonkeyPatch()
-    patch.setenv("XDG_CACHE_HOME", str(cache))
-    settings = ServeSettings(database_url=f"sqlite:///{cache / 'registry.db'}", device="cpu")
-    try:
-        with ServerThread(with_demo(settings)) as server:
-            yield server
-    finally:
-        patch.undo()
+def demo_server(demo, tmp_path_factory):
+    registry = tmp_path_factory.mktemp("registry") / "registry.db"
+    settings = ServeSettings(database_url=f"sqlite:///{registry}", device="cpu")
+    with ServerThread(with_demo(settings)) as server:
+        yield server
 
 
 def replies(server, model: str) -> list[str]:
-    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
     out = []
-    for prompt in PROMPTS:
+    for prompt in HELD_OUT_PROMPTS:
         response = api.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=20, temperature=0
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=100, temperature=0
         )
         out.append(response.choices[0].message.content)
     return out
 
 
-def test_the_demo_serves_its_base_and_three_public_adapters_without_keys(demo_server):
+def test_the_demo_serves_smollm2_and_three_public_adapters_without_keys(demo_server):
     api = openai.OpenAI(base_url=f"{demo_server.url}/v1", api_key="anything", max_retries=0)
     models = {m.id: m for m in api.models.list().data}
-    assert set(models) == {DEMO_MODEL_NAME, "upper", "reverse", "format"}
-    assert all(models[name].parent == DEMO_MODEL_NAME for name in ("upper", "reverse", "format"))
+    assert set(models) == {DEMO_MODEL_NAME, *BEHAVIOURS}
+    assert all(models[name].parent == DEMO_MODEL_NAME for name in BEHAVIOURS)
     assert not demo_server.state.auth_enabled
 
 
-def test_upper_answers_in_capitals(demo_server):
-    assert all(is_upper(reply) for reply in replies(demo_server, "upper"))
-
-
-def test_reverse_starts_with_the_last_word(demo_server):
-    assert all(is_reverse(p, reply) for p, reply in zip(PROMPTS, replies(demo_server, "reverse")))
-
-
-def test_format_answers_with_its_prefix(demo_server):
-    assert all(is_format(reply) for reply in replies(demo_server, "format"))
+@pytest.mark.parametrize("adapter", list(BEHAVIOURS))
+def test_each_adapter_shows_its_behaviour_on_held_out_prompts(demo_server, adapter):
+    answers = replies(demo_server, adapter)
+    assert sum(map(BEHAVIOURS[adapter].check, answers)) >= 7, answers
 
 
 def test_the_base_shows_none_of_the_behaviours(demo_server):
-    for prompt, reply in zip(PROMPTS, replies(demo_server, DEMO_MODEL_NAME)):
-        assert not is_upper(reply) and not is_format(reply) and not is_reverse(prompt, reply), reply
+    answers = replies(demo_server, DEMO_MODEL_NAME)
+    for name, behaviour in BEHAVIOURS.items():
+        assert not any(map(behaviour.check, answers)), (name, answers)
+    assert "Tokyo" in answers[0]  # "What is the capital of Japan?": a real model answering
 
 
 def test_bench_serve_against_the_demo_server(demo_server, tmp_path):
@@ -80,7 +70,7 @@ def test_bench_serve_against_the_demo_server(demo_server, tmp_path):
     for run in result["runs"]:
         assert run["failed"] == 0 and run["completed"] == 6
         assert run["ttft_ms"]["p50"] > 0 and run["request_throughput"] > 0
-    assert set(result["runs"][1]["per_adapter"]) <= {"upper", "reverse", "format"}
+    assert set(result["runs"][1]["per_adapter"]) <= set(BEHAVIOURS)
     assert len(result["plots"]) >= 3
     for plot in result["plots"]:
         check_png(Path(plot))
