@@ -1,18 +1,33 @@
 """BlockManager: the KV pool's free list, reference counts, prefix cache and every sequence's block table.
 
-Prefix caching: a full block is registered under a hash chain `h_j = hash((h_{j-1}, tokens_j))` whose first
-link is the sequence's adapter key, so KV computed under one adapter (or none) never serves another. A freed
-block keeps its hash and content until it is reused: the free queue is ordered oldest-freed first, and a
-prefix hit takes a block back out of it.
+Prefix caching: a full block is registered under a hash chain `h_j = sha256(h_{j-1} || tokens_j)` (token ids
+packed as little-endian int64) whose first link `h_0` hashes the sequence's adapter key (its content digest), so
+KV computed under one adapter (or none) never serves another. A cryptographic hash, not Python's `hash()`: two
+different prefixes sharing a key would silently serve one request another's KV. A freed block keeps its hash
+and content until it is reused: the free queue is ordered oldest-freed first, and a prefix hit takes a block
+back out of it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence
+
+
+def first_link(adapter_key: str | None) -> bytes:
+    """h_0 of a chain: the adapter's content digest, or a distinct tag for the base model alone."""
+    tag = b"base" if adapter_key is None else b"adapter:" + adapter_key.encode()
+    return hashlib.sha256(b"loraplex-prefix\0" + tag).digest()
+
+
+def next_link(parent: bytes, token_ids: list[int]) -> bytes:
+    """h_j from h_{j-1} and block j's token ids."""
+    return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
 
 class BlockManager:
@@ -21,9 +36,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached_blocks: dict[int, int] = {}  # hash -> block_id
+        self.cached_blocks: dict[bytes, int] = {}  # hash -> block_id
 
     @property
     def num_free_blocks(self) -> int:
@@ -33,13 +48,13 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache -------------------------------------------------------------------------------
-    def _chain(self, seq: Sequence, upto_blocks: int) -> list[int]:
-        """Hashes of the seq's first `upto_blocks` full blocks (reusing those already registered)."""
+    def _chain(self, seq: Sequence, upto_blocks: int) -> list[bytes]:
+        """Hashes of the seq's first `upto_blocks` full blocks (reusing those already computed)."""
         hashes = seq.block_hashes[:upto_blocks]
-        parent = hashes[-1] if hashes else hash(("adapter", seq.adapter_key))
+        parent = hashes[-1] if hashes else first_link(seq.adapter_key)
         bs = self.block_size
         for j in range(len(hashes), upto_blocks):
-            parent = hash((parent, tuple(seq.token_ids[j * bs : (j + 1) * bs])))
+            parent = next_link(parent, seq.token_ids[j * bs : (j + 1) * bs])
             hashes.append(parent)
         return hashes
 

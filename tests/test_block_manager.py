@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
+import hashlib
+import struct
+
+from adapters.ref import LoRARequest
+from engine.block_manager import BlockManager, first_link, next_link
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup
@@ -10,9 +14,13 @@ from engine.sequence import Sequence, SequenceGroup
 _arrivals = iter(range(10**6))
 
 
-def make_seq(token_ids: list[int], adapter_key: str | None = None) -> Sequence:
-    request = EngineRequest(f"r{id(token_ids)}", token_ids, SamplingParams(), adapter_key=adapter_key)
-    group = SequenceGroup(request, next(_arrivals))
+def make_seq(
+    token_ids: list[int], adapter_key: str | None = None, lora: LoRARequest | None = None, n: int = 1
+) -> Sequence:
+    """A request's first sequence (its group holds the request: adapter, n samples)."""
+    arrival = next(_arrivals)
+    request = EngineRequest(f"r{arrival}", token_ids, SamplingParams(n=n), lora=lora, adapter_key=adapter_key)
+    group = SequenceGroup(request, arrival)
     seq = Sequence(group, 0, list(token_ids), detokenizer=None)
     group.seqs.append(seq)
     return seq
@@ -107,3 +115,21 @@ def test_blocks_enter_the_prefix_cache_only_once_computed():
     bm.allocate(seq, [], 9)
     bm.commit(seq, 9)  # the step ran
     assert bm.find_cached_prefix(make_seq(list(range(9)))) == seq.block_table[:2]
+
+
+def test_block_keys_are_a_sha256_chain_over_packed_token_ids_and_the_adapter_digest():
+    parent = first_link("sha256:a")
+    assert parent == hashlib.sha256(b"loraplex-prefix\0adapter:sha256:a").digest()
+    assert next_link(parent, [1, -2, 3]) == hashlib.sha256(parent + struct.pack("<3q", 1, -2, 3)).digest()
+    keys = {next_link(first_link(d), t) for d in (None, "sha256:a", "sha256:b") for t in ([1, 2], [2, 1], [1, 3])}
+    assert len(keys) == 9  # other tokens or another adapter: never one key
+    assert next_link(first_link("sha256:a"), [1, 2]) == next_link(first_link("sha256:a"), [1, 2])
+
+
+def test_a_python_hash_collision_no_longer_shares_kv():
+    assert hash(-1) == hash(-2)  # CPython: under the old hash((parent, tokens)) chain these blocks had one key
+    bm = BlockManager(num_blocks=16, block_size=4)
+    allocate_all(bm, make_seq([5, 6, 7, -1, 8], adapter_key="sha256:a"))
+    assert bm.find_cached_prefix(make_seq([5, 6, 7, -2, 8], adapter_key="sha256:a")) == []
+    assert bm.find_cached_prefix(make_seq([5, 6, 7, -1, 9], adapter_key="sha256:b")) == []
+    assert len(bm.find_cached_prefix(make_seq([5, 6, 7, -1, 9], adapter_key="sha256:a"))) == 1  # same prefix: a hit
