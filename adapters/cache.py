@@ -1,9 +1,10 @@
 """AdapterCache: the device rows of stacked LoRA weights, the host-memory LRU tier, and the loader thread.
 
-It alone maps an adapter to its `adapter_idx` (a row of every stacked tensor) and keeps pin counts: a row
-pinned by a running sequence is never evicted. Reading and validating an adapter from disk happens on the
-loader thread, off the step's critical path; activating a host-resident adapter is one copy per stacked
-tensor, done by the engine thread between steps.
+It alone maps an adapter to its `adapter_idx` (a row of every stacked tensor) and keeps pin counts: a pinned
+row (once per running request, whatever its number of samples, or by an operator's pin) is never evicted.
+Reading and validating an adapter from disk happens on the loader thread (or a caller's worker thread), off the
+step's critical path; activating a host-resident adapter is one copy per stacked tensor, done by the engine
+thread between steps.
 
 Stacked layout per layer and packed module (e.g. "qkv_proj" = q, k, v slices):
 `lora_a: [max_loras, S * R, H_in]`, `lora_b: [max_loras, H_out, R]` with R = max_lora_rank, lower ranks
@@ -94,7 +95,8 @@ class AdapterCache:
         self.stats = AdapterCacheStats()
 
     # ---- host tier (any thread) ---------------------------------------------------------------------
-    def _read(self, lora: LoRARequest) -> HostAdapter:
+    def read(self, lora: LoRARequest) -> HostAdapter:
+        """Reads and validates the adapter from disk (raising AdapterError); changes nothing. See `store`."""
         start = time.perf_counter()
         weights = load_lora(lora.path, self.spec, self.max_lora_rank, self.allow_pickle, name=lora.name)
         rows = {
@@ -120,10 +122,13 @@ class AdapterCache:
             a, b = a.pin_memory(), b.pin_memory()
         return a, b
 
-    def _store(self, lora: LoRARequest, host: HostAdapter) -> None:
+    def store(self, lora: LoRARequest, host: HostAdapter) -> LoRAWeights:
+        """Puts what `read` returned in the host tier (most recently used), dropping the least recently used
+        beyond max_cpu_loras."""
         with self._lock:
             self._host[lora.key] = host
             self._host.move_to_end(lora.key)
+            self._failed.pop(lora.key, None)  # read well now: a past failure no longer stands
             self._digests[lora.key] = host.weights.digest
             while len(self._host) > self.max_cpu_loras:
                 self._host.popitem(last=False)
@@ -137,15 +142,23 @@ class AdapterCache:
             host.weights.rank,
             host.weights.digest[:19],
         )
+        return host.weights
 
     def load(self, lora: LoRARequest) -> LoRAWeights:
-        """Reads and validates now (raising AdapterError), keeping the result in the host tier."""
+        """Reads and validates now (raising AdapterError) unless it is in host memory, where it stays (most
+        recently used)."""
         with self._lock:
-            if lora.key in self._host:
-                return self._host[lora.key].weights
-        host = self._read(lora)
-        self._store(lora, host)
-        return host.weights
+            host = self._host.get(lora.key)
+            if host is not None:
+                self._host.move_to_end(lora.key)
+                return host.weights
+        return self.store(lora, self.read(lora))
+
+    def host_weights(self, lora: LoRARequest) -> LoRAWeights | None:
+        """The adapter's weights while it is in host memory."""
+        with self._lock:
+            host = self._host.get(lora.key)
+            return None if host is None else host.weights
 
     def prefetch(self, lora: LoRARequest) -> None:
         """Starts loading in the background unless it is resident, on the host, loading, or failed."""
@@ -156,7 +169,7 @@ class AdapterCache:
 
     def _load_in_background(self, lora: LoRARequest) -> None:
         try:
-            self._store(lora, self._read(lora))
+            self.store(lora, self.read(lora))
         except AdapterError as e:
             logger.warning("%s", e)
             with self._lock:
@@ -190,11 +203,13 @@ class AdapterCache:
         rows = self._rows
         if lora.key in self._doomed:
             return None  # evicted while running sequences pin it: reloaded once they release the row
+        with self._lock:
+            failure = self._failed.get(lora.key)
+            host = self._host.get(lora.key)
+            if host is not None:
+                self._host.move_to_end(lora.key)  # used: the host tier's LRU order follows use, not loading
         row = rows.row_of.get(lora.key)
         if row is None:
-            with self._lock:
-                failure = self._failed.get(lora.key)
-                host = self._host.get(lora.key)
             if failure is not None:
                 raise failure
             if host is None:
@@ -233,6 +248,17 @@ class AdapterCache:
             if key in self._doomed:
                 self._free(key)
 
+    def unload(self, lora: LoRARequest) -> bool:
+        """Frees the adapter's device row (it stays in host memory): now, or at the last release while running
+        sequences pin it. Returns whether the row is still pinned (the unload then completes later)."""
+        row = self._rows.row_of.get(lora.key)
+        if row is not None and self._rows.pins[row]:
+            self._doomed.add(lora.key)
+            return True
+        if row is not None:
+            self._free(lora.key)
+        return False
+
     def evict(self, lora: LoRARequest) -> bool:
         """Forgets the adapter in every tier (host copy, digest, a past failure) so that the next use reads the
         directory again; its device row is freed now, or at the last release while running sequences pin it.
@@ -241,13 +267,7 @@ class AdapterCache:
             self._host.pop(lora.key, None)
             self._failed.pop(lora.key, None)
             self._digests.pop(lora.key, None)
-        row = self._rows.row_of.get(lora.key)
-        if row is not None and self._rows.pins[row]:
-            self._doomed.add(lora.key)
-            return True
-        if row is not None:
-            self._free(lora.key)
-        return False
+        return self.unload(lora)
 
     def _free(self, key: Key) -> None:
         self._doomed.discard(key)
@@ -270,6 +290,11 @@ class AdapterCache:
     def resident_keys(self) -> list[Key]:
         """Adapters on device rows (engine thread), least recently used first."""
         return [key for key in self._rows.row_of if key not in self._doomed]
+
+    def host_keys(self) -> list[Key]:
+        """Adapters in host memory, least recently used first."""
+        with self._lock:
+            return list(self._host)
 
     @property
     def num_on_host(self) -> int:

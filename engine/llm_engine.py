@@ -129,6 +129,7 @@ class LLMEngine:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
                 outputs.append(CompletionOutput(seq.index, "", [], [] if seq.logprobs is not None else None, "abort"))
+        self.scheduler.release_adapter(group)  # also when it is aborted before its n samples were forked
         return self._request_output(group, outputs)
 
     def _fail(self, group: SequenceGroup, error: Exception) -> RequestOutput | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from adapters.cache import AdapterCache
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.sequence import NO_ADAPTER, Sequence, SequenceStatus
+from engine.sequence import NO_ADAPTER, Sequence, SequenceGroup, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -59,9 +59,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
-        """A forked sample joins the running batch next to its parent (and pins the parent's adapter row)."""
-        if seq.group.lora is not None:
-            seq.adapter_idx = self.adapter_cache.acquire(seq.group.lora)
+        """A forked sample joins the running batch next to its parent (sharing its request's adapter row)."""
         seq.status = SequenceStatus.RUNNING
         self._insert_running(seq)
 
@@ -73,14 +71,15 @@ class Scheduler:
         keys = [(s.group.arrival, s.index) for s in self.running]
         self.running.insert(bisect.bisect(keys, (seq.group.arrival, seq.index)), seq)
 
-    def _release_adapter(self, seq: Sequence) -> None:
-        if seq.adapter_idx != NO_ADAPTER:
-            self.adapter_cache.release(seq.adapter_idx)
-            seq.adapter_idx = NO_ADAPTER
+    def release_adapter(self, group: SequenceGroup) -> None:
+        """Releases the request's one pin on its adapter row (a no-op when it holds none)."""
+        if group.adapter_idx != NO_ADAPTER:
+            self.adapter_cache.release(group.adapter_idx)
+            group.adapter_idx = NO_ADAPTER
 
     def _preempt(self, seq: Sequence) -> None:
+        """Frees the seq's blocks; its request keeps its adapter row, so it resumes on the same adapter version."""
         self.block_manager.free(seq)
-        self._release_adapter(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -122,16 +121,18 @@ class Scheduler:
         """Waiting seqs join oldest first while budget, seats and blocks last. A seq whose adapter is still
         loading is passed over (others run meanwhile). Once an older seq waits for a free adapter row,
         younger ones may not take rows before it; for ROW_WAIT_STEPS steps they may still join adapters
-        already on a row, after that not even those, so the rows drain and the older seq cannot starve."""
+        already on a row, after that not even those, so the rows drain and the older seq cannot starve.
+        A seq whose request already pins a row (it was preempted) needs no new one."""
         position, row_blocked = 0, False
         while position < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[position]
-            if seq.group.lora is not None:
-                lenient = self._row_wait_steps < ROW_WAIT_STEPS and self.adapter_cache.is_resident(seq.group.lora)
+            group, pinned_now = seq.group, False
+            if group.lora is not None and group.adapter_idx == NO_ADAPTER:
+                lenient = self._row_wait_steps < ROW_WAIT_STEPS and self.adapter_cache.is_resident(group.lora)
                 if row_blocked and not lenient:
                     position += 1
                     continue
-                status = self._acquire_adapter(seq)
+                status = self._pin_adapter(seq)
                 if status == "failed":
                     del self.waiting[position]
                     continue
@@ -139,10 +140,12 @@ class Scheduler:
                     row_blocked = row_blocked or status == "no_row"
                     position += 1
                     continue
+                pinned_now = True
             cached = self.block_manager.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
             if not self.block_manager.can_allocate(cached, num_new):
-                self._release_adapter(seq)
+                if pinned_now:
+                    self.release_adapter(group)
                 break
             del self.waiting[position]
             self.block_manager.allocate(seq, cached, num_new)
@@ -168,18 +171,18 @@ class Scheduler:
             if len(wanted) >= window:
                 break
 
-    def _acquire_adapter(self, seq: Sequence) -> str:
-        """Pins the seq's adapter row: "ok", "loading", "no_row" (every row pinned) or "failed"."""
-        lora = seq.group.lora
+    def _pin_adapter(self, seq: Sequence) -> str:
+        """Pins the adapter row of the seq's request: "ok", "loading", "no_row" (every row pinned) or "failed"."""
+        group = seq.group
         try:
-            row = self.adapter_cache.acquire(lora)
+            row = self.adapter_cache.acquire(group.lora)
         except Exception as e:
             self.failed.append((seq, e))
             return "failed"
         if row is None:
-            return "no_row" if self.adapter_cache.on_host(lora) else "loading"
-        seq.adapter_idx = row
-        seq.group.adapter_key = self.adapter_cache.digest(lora)  # the prefix cache's key: content, not name
+            return "no_row" if self.adapter_cache.on_host(group.lora) else "loading"
+        group.adapter_idx = row
+        group.adapter_key = self.adapter_cache.digest(group.lora)  # the prefix cache's key: content, not name
         return "ok"
 
     def _batch(self, picked: dict[int, int], copies: list[tuple[int, int]], preempted: int) -> ScheduledBatch:
@@ -196,11 +199,13 @@ class Scheduler:
         )
 
     def finish(self, seq: Sequence) -> None:
-        """Removes a finished (or aborted) sequence from wherever it is and frees its blocks at once."""
+        """Removes a finished (or aborted) sequence from wherever it is and frees its blocks at once; the last
+        one of its request also releases the request's adapter row."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         self.block_manager.free(seq)
-        self._release_adapter(seq)
+        if seq.group.is_finished:
+            self.release_adapter(seq.group)

@@ -41,8 +41,7 @@ class Sequence:
         self.token_ids = token_ids  # prompt + output
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # hash chain of the full blocks registered in the prefix cache
-        self.adapter_idx = NO_ADAPTER  # the device row of its adapter while admitted (pinned)
+        self.block_hashes: list[bytes] = []  # hash chain of the full blocks registered in the prefix cache
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -62,6 +61,10 @@ class Sequence:
     @property
     def adapter_key(self) -> str | None:
         return self.group.adapter_key
+
+    @property
+    def adapter_idx(self) -> int:
+        return self.group.adapter_idx
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +104,9 @@ class SequenceGroup:
         self.params = request.sampling
         self.lora = request.lora
         self.adapter_key = request.adapter_key  # set to the adapter's digest once it is loaded
+        # the device row of its adapter, pinned ONCE for all its sequences (forks share it) from the first
+        # admission until the request finishes or is aborted, so one request always runs on one adapter version
+        self.adapter_idx = NO_ADAPTER
         self.tenant = request.tenant
         self.arrival = arrival  # admission order: FCFS and preemption victims follow it
         self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at first admission

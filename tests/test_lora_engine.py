@@ -131,14 +131,14 @@ def test_async_cold_adapter_loads_while_others_run_and_a_bad_one_fails_alone(mod
     )
     cache = engine.engine.adapter_cache
     gate = threading.Event()
-    read = cache._read
+    read = cache.read
 
     def slow_read(lora):
         if lora.name == "slow":
             assert gate.wait(30)
         return read(lora)
 
-    cache._read = slow_read
+    cache.read = slow_read
     slow = LoRARequest("slow", loras[2].path)
     bad = LoRARequest("broken", str(tmp_path / "nowhere"))
 
@@ -194,3 +194,58 @@ def test_a_stream_on_a_resident_adapter_cannot_starve_one_waiting_for_a_row(mode
     while engine.has_unfinished:
         engine.step()
     assert_idle(llm)
+
+
+def drain(engine) -> tuple[dict[str, dict[int, list[int]]], dict[str, Exception]]:
+    """Steps until idle: each request's tokens by sample index, and the errors requests ended with."""
+    tokens: dict[str, dict[int, list[int]]] = {}
+    errors: dict[str, Exception] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.error is not None:
+                errors[out.request_id] = out.error
+            for delta in out.outputs:
+                tokens.setdefault(out.request_id, {}).setdefault(delta.index, []).extend(delta.token_ids)
+    return tokens, errors
+
+
+def test_forks_share_one_adapter_row_while_their_adapter_is_removed_and_re_added(model, tmp_path):
+    """n=4: a request pins its adapter row once, at admission, and the samples forked when its prefill ends share
+    that pin. Removing the adapter mid-prefill and adding other weights under the same name and path neither
+    kills the engine nor changes what the running request computes with; its one release frees the old row,
+    and the next request runs on the new weights."""
+    base, loras, _ = model
+    directory = tmp_path / "swap"
+    lora = LoRARequest("swap@1", str(directory))
+    prompt = prompts(256, 16, seed=5)[14]  # 80 tokens: five prefill steps of 16
+    sampled = SamplingParams(temperature=1.0, n=4, max_tokens=8, ignore_eos=True, seed=7)
+
+    def engine_with(weights: LoRARequest):
+        shutil.rmtree(directory, ignore_errors=True)
+        shutil.copytree(weights.path, directory)
+        engine = make_llm(base, max_loras=2, max_num_seqs=8, max_num_batched_tokens=16).engine
+        engine.adapter_cache.load(lora)
+        return engine
+
+    def alone(weights: LoRARequest) -> dict[int, list[int]]:
+        engine = engine_with(weights)
+        engine.add_request(EngineRequest("r", prompt, sampled, lora=lora))
+        return drain(engine)[0]["r"]
+
+    old, new = alone(loras[0]), alone(loras[1])
+    assert old != new and all(len(t) == 8 for t in old.values()) and len(old) == 4
+    engine = engine_with(loras[0])
+    engine.add_request(EngineRequest("r", prompt, sampled, lora=lora))
+    engine.step()  # admitted: its first chunk of 16 prompt tokens ran on the row it pins
+    assert engine.adapter_cache.evict(lora)  # deleted while pinned: the row is freed at the last release
+    shutil.rmtree(directory)
+    shutil.copytree(loras[1].path, directory)
+    engine.adapter_cache.load(lora)  # registered again: other weights under the same key
+    tokens, errors = drain(engine)
+    assert not errors and tokens["r"] == old  # its 4 samples ran to the end on the weights it started with
+    assert engine.adapter_cache.num_pinned == 0 and engine.adapter_cache.tier(lora) == "host"
+    engine.add_request(EngineRequest("after", prompt, sampled, lora=lora))
+    assert drain(engine)[0]["after"] == new
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.adapter_cache.num_pinned == 0
+

@@ -1,17 +1,26 @@
-"""Scheduler units (no model): budgets, decode-first order, chunked prefill, preemption of the newest."""
+"""Scheduler units (no model): budgets, decode-first order, chunked prefill, preemption of the newest; with an
+adapter cache, at most max_loras adapters a step, no starvation, and one adapter pin per request."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+from adapters.cache import AdapterCache
 from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler
+from engine.scheduler import ROW_WAIT_STEPS, Scheduler
+from engine.sequence import Sequence
+from tests import test_adapter_cache
+from tests.test_adapter_cache import make_cache
 from tests.test_block_manager import make_seq
 
+tiny_adapters, loaded = test_adapter_cache.tiny_adapters, test_adapter_cache.loaded  # fixtures shared with it
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32) -> Scheduler:
+
+def make_scheduler(
+    num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, adapter_cache: AdapterCache | None = None
+) -> Scheduler:
     config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    return Scheduler(config, BlockManager(num_blocks, block_size))
+    return Scheduler(config, BlockManager(num_blocks, block_size), adapter_cache)
 
 
 def run_step(scheduler: Scheduler, sample_token: int = 7):
@@ -66,3 +75,112 @@ def test_dry_pool_preempts_the_newest_and_requeues_it_first():
     assert old in scheduler.running and scheduler.waiting[0] is new
     assert new.block_table == [] and new.num_computed_tokens == 0
     assert old.num_output_tokens > new.num_output_tokens
+
+
+def finish_after(scheduler: Scheduler, num_output_tokens: int) -> None:
+    for seq in list(scheduler.running):
+        if seq.num_output_tokens >= num_output_tokens:
+            scheduler.finish(seq)
+
+
+def assert_idle(scheduler: Scheduler) -> None:
+    bm = scheduler.block_manager
+    assert not scheduler.has_unfinished and bm.num_free_blocks == bm.num_blocks
+    assert scheduler.adapter_cache.num_pinned == 0
+
+
+def test_never_more_than_max_loras_adapters_in_a_step_and_every_adapter_gets_its_turn(loaded):
+    cache, loras = loaded  # 2 device rows, 4 adapters in host memory
+    scheduler = make_scheduler(adapter_cache=cache, max_num_seqs=8, max_num_batched_tokens=64)
+    seqs = [make_seq(list(range(i, i + 6)), lora=loras[i % 4]) for i in range(12)]
+    for seq in seqs:
+        scheduler.add(seq)
+    ran: set[str] = set()
+    for _ in range(100):
+        batch = run_step(scheduler)
+        adapters = {seq.group.lora.name for seq in batch.seqs}
+        assert len(adapters) <= 2 and len({seq.adapter_idx for seq in batch.seqs}) == len(adapters)
+        ran |= adapters
+        finish_after(scheduler, 3)
+        if not scheduler.has_unfinished:
+            break
+    assert all(seq.is_finished and seq.num_output_tokens == 3 for seq in seqs)
+    assert ran == {lora.name for lora in loras}
+    assert_idle(scheduler)
+
+
+def test_an_adapter_waiting_for_a_row_gets_one_while_requests_keep_coming_for_the_resident_one(tiny_adapters):
+    spec, (a, b, *_) = tiny_adapters
+    cache = make_cache(spec, max_loras=1, max_cpu_loras=2)
+    cache.load(a)
+    cache.load(b)
+    scheduler = make_scheduler(adapter_cache=cache, max_num_seqs=8, max_num_batched_tokens=64)
+    scheduler.add(make_seq([1, 2, 3], lora=a))
+    run_step(scheduler)  # a holds the only row
+    waiting = make_seq([4, 5, 6], lora=b)
+    scheduler.add(waiting)
+    steps = 0
+    while waiting not in run_step(scheduler).seqs and steps < 200:
+        finish_after(scheduler, 3)
+        scheduler.add(make_seq([7, 8], lora=a))  # each would extend a's hold on the row
+        steps += 1
+    assert waiting.adapter_idx == 0 and steps <= ROW_WAIT_STEPS + 4  # a's row drained, then b took it
+    for _ in range(400):  # and the queued requests for a run after b's
+        finish_after(scheduler, 3)
+        if not scheduler.has_unfinished:
+            break
+        run_step(scheduler)
+    assert_idle(scheduler)
+    cache.shutdown()
+
+
+def test_a_request_pins_its_adapter_row_once_for_all_its_samples(loaded):
+    """The n samples forked when the prompt is prefilled share the request's one pin, also when the adapter
+    was removed meanwhile (they never look it up again); the row is freed when the last sample ends."""
+    cache, (a, *_) = loaded
+    scheduler = make_scheduler(adapter_cache=cache)
+    parent = make_seq(list(range(6)), lora=a, n=4)
+    scheduler.add(parent)
+    run_step(scheduler)  # prefilled, its first token sampled
+    row = parent.adapter_idx
+    assert cache.evict(a) is True  # deleted while the request runs: its row drains
+    for index in range(1, 4):
+        child = Sequence(parent.group, index, list(parent.token_ids), detokenizer=None)
+        parent.group.seqs.append(child)
+        scheduler.block_manager.fork(parent, child)
+        scheduler.add_running(child)
+    assert [seq.adapter_idx for seq in parent.group.seqs] == [row] * 4 and cache._rows.pins[row] == 1
+    run_step(scheduler)  # the four samples decode on the one row
+    for seq in parent.group.seqs[:3]:
+        scheduler.finish(seq)
+    assert cache._rows.pins[row] == 1  # the last sample still runs
+    scheduler.finish(parent.group.seqs[3])
+    assert cache.num_resident == 0  # the removed adapter's row is free at last
+    assert_idle(scheduler)
+
+
+def test_a_preempted_request_keeps_its_adapter_row_and_resumes_on_it(loaded):
+    cache, (a, b, c, _) = loaded
+    scheduler = make_scheduler(adapter_cache=cache, num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    old, new = make_seq(list(range(7)), lora=a), make_seq(list(range(7)), lora=b)
+    scheduler.add(old)
+    scheduler.add(new)
+    run_step(scheduler)  # 2 blocks each: the pool is full
+    row_b = new.adapter_idx
+    for _ in range(2):
+        run_step(scheduler)
+    assert scheduler.num_preemptions >= 1 and scheduler.waiting[0] is new and not new.block_table
+    assert new.adapter_idx == row_b and cache._rows.pins[row_b] == 1  # still pinned while it waits
+    third = make_seq([9, 9, 9], lora=c)
+    scheduler.add(third)
+    run_step(scheduler)
+    assert third.adapter_idx == -1 and cache.tier(b) == "device"  # c cannot take b's row
+    scheduler.finish(old)
+    batch = run_step(scheduler)
+    assert new in batch.seqs and new.adapter_idx == row_b  # resumed on the same row
+    for _ in range(20):
+        finish_after(scheduler, 3)
+        if not scheduler.has_unfinished:
+            break
+        run_step(scheduler)
+    assert_idle(scheduler)

@@ -1,0 +1,129 @@
+"""AdapterCache units (no engine): pin counts, LRU eviction of device rows, pinned rows never evicted, removal
+while pinned completing at the last release, and the host tier's LRU bound (max_cpu_loras)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adapters.base_spec import BaseModelSpec
+from adapters.cache import AdapterCache
+from adapters.ref import LoRARequest
+from engine.models.llama import lora_targets
+from tests.hf_models import make_adapter, make_model
+
+NUM_ADAPTERS = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_adapters(tmp_path_factory, tokenizer) -> tuple[BaseModelSpec, list[LoRARequest]]:
+    """The tiny base's spec and four random rank-4 adapters on it, a@1 to d@1."""
+    root = tmp_path_factory.mktemp("adapter-cache")
+    hf = make_model(root / "base", tokenizer, "llama")
+    names = "abcd"[:NUM_ADAPTERS]
+    loras = [LoRARequest(f"{name}@1", make_adapter(hf, root / name, seed=i, r=4)) for i, name in enumerate(names)]
+    return BaseModelSpec.from_hf_config(hf.config), loras
+
+
+def make_cache(spec: BaseModelSpec, max_loras: int, max_cpu_loras: int) -> AdapterCache:
+    return AdapterCache(spec, lora_targets, max_loras, max_cpu_loras, 8, torch.device("cpu"), torch.float32)
+
+
+def resident(cache: AdapterCache) -> list[str]:
+    return [name for name, _ in cache.resident_keys()]
+
+
+def host(cache: AdapterCache) -> list[str]:
+    return [name for name, _ in cache.host_keys()]
+
+
+@pytest.fixture
+def loaded(tiny_adapters):
+    """A cache with 2 device rows and every adapter in host memory."""
+    spec, loras = tiny_adapters
+    cache = make_cache(spec, max_loras=2, max_cpu_loras=NUM_ADAPTERS)
+    for lora in loras:
+        cache.load(lora)
+    yield cache, loras
+    cache.shutdown()
+
+
+def test_pins_count_every_acquire_and_the_row_unpins_at_the_last_release(loaded):
+    cache, (a, b, *_) = loaded
+    row = cache.acquire(a)
+    assert cache.acquire(a) == row and cache.num_pinned == 1  # one row, pinned twice
+    assert cache.acquire(b) not in (None, row) and cache.num_pinned == 2
+    cache.release(row)
+    assert cache.num_pinned == 2  # a's row still has one pin
+    cache.release(row)
+    assert cache.num_pinned == 1 and cache.tier(a) == "device"  # unpinned, still resident
+    with pytest.raises(AssertionError, match="not pinned"):
+        cache.release(row)
+
+
+def test_a_new_adapter_takes_the_least_recently_used_unpinned_row(loaded):
+    cache, (a, b, c, _) = loaded
+    for lora in (a, b, a):  # a used last
+        cache.release(cache.acquire(lora))
+    assert resident(cache) == ["b@1", "a@1"]
+    row_b = cache._rows.row_of[b.key]
+    assert cache.acquire(c) == row_b  # b was the least recently used
+    assert resident(cache) == ["a@1", "c@1"] and cache.tier(b) == "host"
+    assert cache.stats.device_evictions == 1 and cache.stats.activations == 3
+
+
+def test_a_pinned_row_is_never_evicted(loaded):
+    cache, (a, b, c, d) = loaded
+    row_a, row_b = cache.acquire(a), cache.acquire(b)
+    assert cache.acquire(c) is None  # every row pinned: c waits
+    weights_b = cache.lora_b[0]["qkv_proj"][row_b].clone()
+    cache.release(row_a)
+    assert cache.acquire(c) == row_a  # the row a no longer pins
+    assert cache.acquire(d) is None and cache.tier(a) == "host"
+    assert resident(cache) == ["b@1", "c@1"]
+    assert torch.equal(cache.lora_b[0]["qkv_proj"][row_b], weights_b)  # b's row never rewritten
+
+
+def test_removing_a_pinned_adapter_frees_its_row_at_the_last_release(loaded):
+    cache, (a, b, c, _) = loaded
+    row = cache.acquire(a)
+    cache.acquire(a)
+    assert cache.evict(a) is True  # still pinned: draining
+    assert cache.tier(a) == "disk" and cache.digest(a) is None and "a@1" not in resident(cache)
+    cache.load(a)  # registered again meanwhile: its next use must wait for the old row to drain
+    assert cache.acquire(a) is None and cache.tier(a) == "host"
+    cache.release(row)
+    assert cache.acquire(b) is not None  # one pin is left on a's row, so b takes the other row ...
+    assert cache.acquire(c) is None  # ... and there is none for c
+    cache.release(row)
+    assert cache.num_resident == 1  # the last release freed it: only b is left
+    assert cache.acquire(c) is not None and resident(cache) == ["b@1", "c@1"]
+
+
+def test_unloading_keeps_the_host_copy_and_waits_for_pins(loaded):
+    cache, (a, *_) = loaded
+    row = cache.acquire(a)
+    assert cache.unload(a) is True and cache.tier(a) == "host"
+    assert cache.acquire(a) is None  # not on that row again until it drains
+    cache.release(row)
+    assert cache.num_resident == 0 and cache.unload(a) is False
+    assert cache.acquire(a) is not None and cache.digest(a) is not None
+
+
+def test_the_host_tier_keeps_the_max_cpu_loras_most_recently_used(tiny_adapters):
+    spec, (a, b, c, d) = tiny_adapters
+    cache = make_cache(spec, max_loras=1, max_cpu_loras=2)
+    try:
+        cache.load(a)
+        cache.load(b)
+        cache.release(cache.acquire(a))  # a used: b is now the least recently used
+        cache.load(c)
+        assert host(cache) == ["a@1", "c@1"] and cache.stats.host_evictions == 1
+        cache.load(a)  # already there: not read again, but most recently used
+        cache.load(d)
+        assert host(cache) == ["a@1", "d@1"] and cache.stats.host_evictions == 2
+        assert cache.stats.loads == 4  # a was read once
+        assert cache.tier(b) == cache.tier(c) == "disk"
+        assert cache.digest(b) is not None  # its identity outlives the host copy
+    finally:
+        cache.shutdown()
