@@ -38,6 +38,8 @@ class LoRAWeights:
     digest: str  # "sha256:<hex>": the adapter's content identity
     target_modules: frozenset[str]  # module names present, e.g. {"q_proj", "v_proj"}
     num_bytes: int  # of the fp32 A and B tensors held in `weights`
+    alpha: float  # the config's lora_alpha (each module's scaling is in `weights`)
+    base_model_name: str | None  # the config's base_model_name_or_path
     # (layer, module) -> (A [r, in] fp32, B [out, r] fp32, scaling): delta(x) = scaling * x @ A.T @ B.T
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
 
@@ -62,6 +64,8 @@ def load_lora(
         digest=_digest(tensors, {pairs[k]: s for k, (_, _, s) in weights.items()}),
         target_modules=frozenset(module for _, module in weights),
         num_bytes=sum(a.nbytes + b.nbytes for a, b, _ in weights.values()),
+        alpha=float(config.lora_alpha),
+        base_model_name=config.base_model_name_or_path,
         weights=weights,
     )
 

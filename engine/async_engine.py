@@ -1,28 +1,43 @@
-"""AsyncEngine: the LLMEngine on its own thread, fed and drained from asyncio without ever blocking it.
+"""AsyncEngine: the engine's one door. The LLMEngine runs on its own thread; callers (the gateway) use only the
+verbs below, from asyncio, with the plain data of engine/interface.py in and out.
 
-The engine thread owns the LLMEngine: it takes new requests and aborts from a thread-safe inbox between
-steps, runs steps while there is work, and hands each delta to the request's asyncio queue through
-`call_soon_threadsafe`. The event loop only ever waits on queues.
+The engine thread owns the LLMEngine: every command (a new request, an abort, an adapter verb, a validation, a
+snapshot) goes through its thread-safe inbox and runs between two steps, so nothing the engine thread mutates is
+ever touched by another thread. Deltas go back to each request's asyncio queue through `call_soon_threadsafe`;
+the event loop only ever waits. Reading an adapter from disk, the one slow command, runs on a worker thread and
+only its result is handed to the engine thread.
+
+Verbs: `generate`, `abort`, `validate`; adapters `add_adapter` (disk -> host memory), `remove_adapter` (forget
+everywhere), `load_adapter` (-> a device row), `unload_adapter` (device row -> host), `pin_adapter` /
+`unpin_adapter`, `tier`, `digest`; `stats()`. Read-only facts: `tokenizer`, `max_model_len`, `is_alive`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError
+from typing import TYPE_CHECKING, TypeVar
 
-from engine.config import EngineConfig
+from engine.interface import AdapterInfo, EngineConfig, EngineRequest, EngineSnapshot, LoRARequest, RequestOutput, Tier
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.request import EngineRequest
+
+if TYPE_CHECKING:
+    from adapters.cache import HostAdapter
 
 logger = logging.getLogger(__name__)
 
 _STOP = object()
 IDLE_POLL_S = 0.002
+T = TypeVar("T")
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread is not running (shut down, or died): nothing more can be served."""
 
 
 def _settle(future: Future, result=None, error: BaseException | None = None) -> None:
@@ -38,25 +53,48 @@ def _settle(future: Future, result=None, error: BaseException | None = None) -> 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
+        self._engine = engine  # owned by the engine thread; tests reach it through tests/engine_probe.py only
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (callable, Future) run on the engine thread
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
-        self._errored: BaseException | None = None
         self._thread.start()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         return cls(LLMEngine(config))
 
+    # ---- read-only facts -----------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The model's Hugging Face tokenizer, for encoding prompts and chat templates (never mutated)."""
+        return self._engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped.is_set()
+
     # ---- the engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:
+            logger.exception("the engine thread died")
+        finally:
+            self._stopped.set()
+            self._fail_pending()
+
+    def _loop(self) -> None:
+        engine = self._engine
         idle = False  # the last step had nothing to run (say, every waiting request's adapter is loading)
         while True:
             try:
                 while True:
-                    if not self.engine.has_unfinished:
+                    if not engine.has_unfinished:
                         item = self._inbox.get()
                     else:
                         item = self._inbox.get(timeout=IDLE_POLL_S) if idle else self._inbox.get_nowait()
@@ -66,17 +104,17 @@ class AsyncEngine:
                     fn, future = item
                     try:
                         _settle(future, result=fn())
-                    except Exception as e:  # a bad request fails alone
+                    except Exception as e:  # a bad request or adapter fails alone
                         _settle(future, error=e)
             except queue.Empty:
                 pass
             try:
-                outputs = self.engine.step()
+                outputs = engine.step()
             except Exception as e:
                 logger.exception("engine step failed; failing every running request")
                 self._fail_all(e)
                 continue
-            idle = not self.engine.last_step_ran
+            idle = not engine.last_step_ran
             for out in outputs:
                 self._deliver(out)
 
@@ -87,29 +125,56 @@ class AsyncEngine:
             loop.call_soon_threadsafe(q.put_nowait, out.error if out.error is not None else out)
 
     def _fail_all(self, error: Exception) -> None:
-        for request_id in list(self.engine.groups):
-            self.engine.abort(request_id)
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                stream[0].call_soon_threadsafe(stream[1].put_nowait, error)
+        for request_id in list(self._engine.groups):
+            try:
+                self._engine.abort(request_id)
+            except Exception:  # the engine thread must outlive a broken request
+                logger.exception("aborting request '%s' failed", request_id)
+            self._fail_stream(request_id, error)
 
-    def _call(self, fn) -> Future:
+    def _fail_stream(self, request_id: str, error: Exception) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            loop, q = stream
+            with contextlib.suppress(RuntimeError):  # that event loop is closed: nobody is waiting
+                loop.call_soon_threadsafe(q.put_nowait, error)
+
+    def _fail_pending(self) -> None:
+        """Once the engine thread has stopped: every command still queued and every open stream fails."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _STOP:
+                _settle(item[1], error=EngineStopped("the engine thread has stopped"))
+        for request_id in list(self._streams):
+            self._fail_stream(request_id, EngineStopped("the engine thread has stopped"))
+
+    def _call(self, fn: Callable[[], T]) -> Future:
         future: Future = Future()
         self._inbox.put((fn, future))
+        if self._stopped.is_set():  # it stopped before it could take the command
+            self._fail_pending()
         return future
 
-    # ---- the asyncio side ----------------------------------------------------------------------------
+    async def _submit(self, fn: Callable[[], T]) -> T:
+        """Runs `fn()` on the engine thread between two steps and returns its value (or raises its error)."""
+        return await asyncio.wrap_future(self._call(fn))
+
+    # ---- requests ------------------------------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Yields the request's deltas as steps produce them; the last one has `finished=True`. Leaving the
-        iteration early (a client that went away) aborts the request."""
+        """Yields the request's deltas as steps produce them; the last one has `finished=True`. Raises ValueError
+        (a bad request) or AdapterError (its adapter cannot be loaded). Leaving the iteration early (a client
+        that went away) aborts the request."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = (loop, q)
         try:
-            await asyncio.wrap_future(self._call(lambda: self.engine.add_request(request)))
+            await self._submit(lambda: self._engine.add_request(request))
         except BaseException:
             self._streams.pop(request.request_id, None)
-            self._call(lambda: self.engine.abort(request.request_id))  # if it was added before we were cancelled
+            self._call(lambda: self._engine.abort(request.request_id))  # if it was added before we were cancelled
             raise
         finished = False
         try:
@@ -124,19 +189,66 @@ class AsyncEngine:
                 await self.abort(request.request_id)
 
     async def abort(self, request_id: str) -> None:
-        """Aborts a request; when this returns its blocks are free."""
+        """Aborts a request; when this returns its blocks and its adapter row are free."""
         self._streams.pop(request_id, None)
-        await asyncio.wrap_future(self._call(lambda: self.engine.abort(request_id)))
+        await self._submit(lambda: self._engine.abort(request_id))
 
-    @property
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
+    async def validate(self, request: EngineRequest) -> None:
+        """Raises ValueError naming what is wrong with the request (prompt, length, vocabulary, id); adds nothing."""
+        await self._submit(lambda: self._engine.validate(request))
 
-    async def run_on_engine(self, fn):
-        """Runs `fn()` on the engine thread between steps (for stats and admin reads) and returns its value."""
-        return await asyncio.wrap_future(self._call(fn))
+    # ---- adapters ------------------------------------------------------------------------------------
+    async def _read(self, lora: LoRARequest) -> HostAdapter | None:
+        """Disk -> a host copy on a worker thread (None when it is already in host memory); raises AdapterError."""
+        return await asyncio.to_thread(self._engine.read_adapter, lora)
+
+    async def add_adapter(self, lora: LoRARequest) -> AdapterInfo:
+        """Reads and validates the adapter (unless it is in host memory) and keeps it there; raises AdapterError
+        naming the problem."""
+        host = await self._read(lora)
+        return await self._submit(lambda: self._engine.add_adapter(lora, host))
+
+    async def remove_adapter(self, lora: LoRARequest) -> bool:
+        """Forgets the adapter in every tier, so its next use reads the directory again; its device row is freed
+        now or when the requests running on it end. Returns whether such requests still run."""
+        return await self._submit(lambda: self._engine.remove_adapter(lora))
+
+    async def load_adapter(self, lora: LoRARequest) -> Tier:
+        """`add_adapter`, then a device row if one is free (no request is displaced); returns the tier reached."""
+        host = await self._read(lora)
+        return await self._submit(lambda: self._engine.load_adapter(lora, host))
+
+    async def unload_adapter(self, lora: LoRARequest) -> bool:
+        """Frees the adapter's device row (and its pin), keeping it in host memory; returns whether requests
+        running on it still hold the row (it is freed when they end)."""
+        return await self._submit(lambda: self._engine.unload_adapter(lora))
+
+    async def pin_adapter(self, lora: LoRARequest) -> Tier:
+        """`load_adapter`, then keeps its device row until `unpin_adapter`; "device" unless every row is pinned."""
+        host = await self._read(lora)
+        return await self._submit(lambda: self._engine.pin_adapter(lora, host))
+
+    async def unpin_adapter(self, lora: LoRARequest) -> bool:
+        """Returns whether it was pinned."""
+        return await self._submit(lambda: self._engine.unpin_adapter(lora))
+
+    async def tier(self, lora: LoRARequest) -> Tier:
+        """Where the adapter is now: "device", "host", "loading", "failed" or "disk"."""
+        return await self._submit(lambda: self._engine.tier(lora))
+
+    async def digest(self, lora: LoRARequest) -> str | None:
+        """The content digest of what this engine holds under `lora` (None before it was read). Answers at once,
+        without waiting for a step: it reads a record kept under the adapter cache's lock."""
+        return self._engine.digest(lora)
+
+    # ---- state ---------------------------------------------------------------------------------------
+    async def stats(self) -> EngineSnapshot:
+        """Queues, KV blocks, adapters by tier and the engine's counters, taken between two steps."""
+        if not self.is_alive:
+            return self._engine.snapshot()  # no engine thread to race with
+        return await self._submit(self._engine.snapshot)
 
     def shutdown(self) -> None:
         self._inbox.put(_STOP)
         self._thread.join(timeout=30)
-        self.engine.shutdown()
+        self._engine.shutdown()

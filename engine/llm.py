@@ -60,7 +60,7 @@ class LLM:
             self.engine.validate(request)
         first_needed = dict.fromkeys(r.lora for r in requests if r.lora is not None)
         for lora in reversed(first_needed):  # the first ones needed are loaded last: they stay in host memory
-            self.engine.adapter_cache.load(lora)
+            self.engine.add_adapter(lora)
         for request in requests:
             self.engine.add_request(request)
         results = {r.request_id: self._empty_output(r) for r in requests}

@@ -14,9 +14,12 @@ from pathlib import Path
 
 import torch
 
+from adapters.cache import AdapterCache, AdapterCacheStats, HostAdapter
+from adapters.ref import LoRARequest
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.interface import AdapterInfo, EngineSnapshot, Tier
 from engine.model_loader import load_tokenizer
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -64,6 +67,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids)
         self.groups: dict[str, SequenceGroup] = {}
+        self.pinned_adapters: dict[tuple[str, str], int] = {}  # LoRARequest.key -> adapter_idx held by pin_adapter
         self.stats = EngineStats()
         self.step_trace: deque[StepRecord] = deque(maxlen=10_000)
         self.last_step_ran = False  # whether the last step() had anything to compute
@@ -145,6 +149,95 @@ class LLMEngine:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def snapshot(self) -> EngineSnapshot:
+        cache, scheduler, blocks = self.adapter_cache, self.scheduler, self.block_manager
+        a = cache.stats if cache is not None else AdapterCacheStats()
+        return EngineSnapshot(
+            num_requests=len(self.groups),
+            seqs_running=len(scheduler.running),
+            seqs_waiting=len(scheduler.waiting),
+            kv_blocks_total=blocks.num_blocks,
+            kv_blocks_free=blocks.num_free_blocks,
+            adapters_on_device=tuple(name for name, _ in cache.resident_keys()) if cache else (),
+            adapters_on_host=tuple(name for name, _ in cache.host_keys()) if cache else (),
+            adapter_rows_pinned=cache.num_pinned if cache else 0,
+            max_loras=cache.max_loras if cache else 0,
+            max_cpu_loras=cache.max_cpu_loras if cache else 0,
+            adapter_loads=a.loads,
+            adapter_load_seconds=a.load_seconds,
+            adapter_load_failures=a.failures,
+            adapter_activations=a.activations,
+            adapter_device_evictions=a.device_evictions,
+            adapter_host_evictions=a.host_evictions,
+            steps=self.stats.num_steps,
+            preemptions=scheduler.num_preemptions,
+            prompt_tokens_computed=self.stats.num_prompt_tokens_computed,
+            generated_tokens=self.stats.num_generated_tokens,
+        )
+
+    # ---- adapters: host memory (disk -> host) and device rows (host -> device) -------------------------
+    def _adapters(self) -> AdapterCache:
+        if self.adapter_cache is None:
+            raise ValueError("LoRA is not enabled (enable_lora=True)")
+        return self.adapter_cache
+
+    def read_adapter(self, lora: LoRARequest) -> HostAdapter | None:
+        """Reads and validates the adapter from disk (raising AdapterError) unless it is in host memory (None
+        then). Changes nothing, so it may run on any thread: the slow half of `add_adapter`."""
+        cache = self._adapters()
+        return None if cache.host_weights(lora) is not None else cache.read(lora)
+
+    def add_adapter(self, lora: LoRARequest, host: HostAdapter | None = None) -> AdapterInfo:
+        """Puts the adapter in host memory: what `read_adapter` returned, else it reads now unless it is there."""
+        cache = self._adapters()
+        return AdapterInfo.of(cache.store(lora, host) if host is not None else cache.load(lora))
+
+    def remove_adapter(self, lora: LoRARequest) -> bool:
+        """Forgets the adapter in every tier (a pin too), so that its next use reads the directory again. Its
+        device row is freed now, or when the requests running on it end: returns whether any still run."""
+        self.unpin_adapter(lora)
+        return self._adapters().evict(lora)
+
+    def load_adapter(self, lora: LoRARequest, host: HostAdapter | None = None) -> Tier:
+        """`add_adapter`, then a device row when one is free (never one a request pins); returns the tier reached."""
+        self.add_adapter(lora, host)
+        cache = self._adapters()
+        row = cache.acquire(lora)
+        if row is not None:
+            cache.release(row)
+        return cache.tier(lora)
+
+    def unload_adapter(self, lora: LoRARequest) -> bool:
+        """Frees the adapter's device row (a pin too), keeping it in host memory: now, or when the requests
+        running on it end; returns whether any still run."""
+        self.unpin_adapter(lora)
+        return self._adapters().unload(lora)
+
+    def pin_adapter(self, lora: LoRARequest, host: HostAdapter | None = None) -> Tier:
+        """`load_adapter`, then holds its device row until `unpin_adapter` (or unload / remove) so that no other
+        adapter can take the row. Returns "device", or the tier reached while every row is pinned."""
+        cache = self._adapters()
+        if lora.key not in self.pinned_adapters:
+            self.add_adapter(lora, host)
+            row = cache.acquire(lora)
+            if row is not None:
+                self.pinned_adapters[lora.key] = row
+        return cache.tier(lora)
+
+    def unpin_adapter(self, lora: LoRARequest) -> bool:
+        """Lets LRU evict the adapter's row again; returns whether it was pinned."""
+        row = self.pinned_adapters.pop(lora.key, None)
+        if row is not None:
+            self._adapters().release(row)
+        return row is not None
+
+    def tier(self, lora: LoRARequest) -> Tier:
+        return self._adapters().tier(lora)
+
+    def digest(self, lora: LoRARequest) -> str | None:
+        """The adapter's content digest once read (any thread: it is kept under the cache's lock)."""
+        return self._adapters().digest(lora)
 
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -1,5 +1,5 @@
 """AdapterService: the gateway's adapter plane, joining the registry (what exists) and the engine's adapter
-cache (what is loaded).
+tiers (what is loaded), the latter only through AsyncEngine's adapter verbs.
 
 Registering validates the adapter with the engine's own checks before a row is written; resolving turns a
 request's `model` / `lora_request` into the `LoRARequest` the engine runs (`name@version` + path); deleting
@@ -8,15 +8,13 @@ removes the row at once and frees the device row when the requests still using i
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapters import AdapterError, LoRAWeights, read_adapter_config
-from adapters.ref import LoRARequest
 from engine.async_engine import AsyncEngine
+from engine.interface import AdapterError, AdapterInfo, LoRARequest, Tier
 from gateway.adapter_roots import AdapterRoots
 from gateway.errors import APIError, model_not_found
 from registry.adapters import ALL_TENANTS, AdapterExists, AdapterRegistry, check_name, split_adapter_id
@@ -64,14 +62,13 @@ def parse_lora_module(spec: str, flag: str = "--lora-modules") -> tuple[str, str
 class AdapterService:
     def __init__(self, registry: AdapterRegistry, engine: AsyncEngine, roots: AdapterRoots, base_model: str):
         self.registry, self.engine, self.roots, self.base_model = registry, engine, roots, base_model
-        self.cache = engine.engine.adapter_cache
 
     # ---- registering ----------------------------------------------------------------------------------
-    async def validate(self, adapter_id: str, path: Path) -> LoRAWeights:
+    async def validate(self, adapter_id: str, path: Path) -> AdapterInfo:
         """The engine's full checks (base shapes, rank, modules, formats), off the event loop; 422 naming the
         problem. A valid adapter stays in host memory: warm for its first request."""
         try:
-            return await asyncio.to_thread(self.cache.load, LoRARequest(adapter_id, str(path)))
+            return await self.engine.add_adapter(LoRARequest(adapter_id, str(path)))
         except AdapterError as e:
             raise APIError(422, str(e), param="path", code="invalid_adapter") from None
 
@@ -97,17 +94,16 @@ class AdapterService:
         version = version or await self.registry.next_version(name)
         # a name@version new to the registry: whatever this process still holds under it is stale
         await self._evict(LoRARequest(f"{name}@{version}", str(resolved)))
-        weights = await self.validate(f"{name}@{version}", resolved)
-        config = read_adapter_config(resolved, name)
+        info = await self.validate(f"{name}@{version}", resolved)
         row = Adapter(
             name=name,
             version=version,
             path=str(resolved),
-            base_model=config.base_model_name_or_path or self.base_model,
-            rank=weights.rank,
-            alpha=float(config.lora_alpha),
-            target_modules=sorted(weights.target_modules),
-            digest=weights.digest,
+            base_model=info.base_model_name or self.base_model,
+            rank=info.rank,
+            alpha=info.alpha,
+            target_modules=list(info.target_modules),
+            digest=info.digest,
             size_bytes=sum(f.stat().st_size for f in resolved.iterdir() if f.is_file()),
             owner=owner,
             description=description,
@@ -126,8 +122,8 @@ class AdapterService:
         resolved = self.roots.resolve(path)
         latest = await self.registry.get(name, None, ALL_TENANTS)
         if latest is not None and latest.path == str(resolved):
-            weights = await self.validate(latest.adapter_id, resolved)
-            if weights.digest == latest.digest:
+            info = await self.validate(latest.adapter_id, resolved)
+            if info.digest == latest.digest:
                 return latest
             await self.evict(latest)
         return await self.register(name, path)
@@ -151,7 +147,7 @@ class AdapterService:
             error = model_not_found(model)
             error.param = param
             raise error
-        cached = self.cache.digest(lora_request(adapter))
+        cached = await self.engine.digest(lora_request(adapter))
         if cached is not None and cached != adapter.digest:
             # name@version was deleted and registered again with other weights (perhaps through another
             # replica): what this process holds is stale, so it is read again
@@ -166,7 +162,7 @@ class AdapterService:
         return await self._evict(lora_request(adapter))
 
     async def _evict(self, lora: LoRARequest) -> bool:
-        return await self.engine.run_on_engine(lambda: self.cache.evict(lora))
+        return await self.engine.remove_adapter(lora)
 
     async def delete(self, name: str, version: str | None, tenant: str | None = ALL_TENANTS) -> list[Adapter]:
         rows = await self.registry.delete(name, version, tenant)
@@ -175,19 +171,12 @@ class AdapterService:
             logger.info("deleted adapter '%s'%s", row.adapter_id, " (freed when its requests finish)" if pinned else "")
         return rows
 
-    async def warm(self, adapter: Adapter) -> str:
+    async def warm(self, adapter: Adapter) -> Tier:
         """Loads into host memory, then onto a device row when one is free; returns the tier reached."""
-        lora = lora_request(adapter)
-        await self.validate(adapter.adapter_id, Path(adapter.path))
+        try:
+            return await self.engine.load_adapter(lora_request(adapter))
+        except AdapterError as e:
+            raise APIError(422, str(e), param="path", code="invalid_adapter") from None
 
-        def activate() -> str:
-            row = self.cache.acquire(lora)
-            if row is not None:
-                self.cache.release(row)
-            return self.cache.tier(lora)
-
-        return await self.engine.run_on_engine(activate)
-
-    async def tier(self, adapter: Adapter) -> str:
-        lora = lora_request(adapter)
-        return await self.engine.run_on_engine(lambda: self.cache.tier(lora))
+    async def tier(self, adapter: Adapter) -> Tier:
+        return await self.engine.tier(lora_request(adapter))

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from tqdm import tqdm
 
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
+from engine.interface import EngineConfig
 from gateway.accounting import Accounting
 from gateway.adapter_roots import AdapterRoots
 from gateway.adapter_service import AdapterService, parse_lora_module

@@ -15,10 +15,8 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from adapters import AdapterError
 from engine.async_engine import AsyncEngine
-from engine.outputs import RequestOutput
-from engine.request import EngineRequest
+from engine.interface import AdapterError, EngineRequest, RequestOutput
 from gateway.errors import APIError
 from gateway.metrics import Latency, RequestMetrics
 
@@ -73,13 +71,14 @@ class Generation:
         self._finished = [False] * len(requests)
         self._reported = False
 
-    def validate(self) -> None:
-        """The engine's own checks (prompt length, vocabulary), before anything starts."""
-        for request in self.requests:
-            try:
-                self.engine.engine.validate(request)
-            except ValueError as e:
-                raise engine_error(e) from None
+    async def validate(self) -> None:
+        """The engine's own checks (prompt length, vocabulary), on the engine thread, before anything starts."""
+        results = await asyncio.gather(*(self.engine.validate(r) for r in self.requests), return_exceptions=True)
+        for result in results:
+            if isinstance(result, ValueError):
+                raise engine_error(result) from None
+            if isinstance(result, BaseException):
+                raise result
 
     @property
     def completed(self) -> bool:

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import choose_encoder
 
-from engine.outputs import RequestOutput
-from gateway.engine_metrics import EngineCollector, EngineSnapshot
+from engine.interface import EngineSnapshot, RequestOutput
+from gateway.engine_metrics import EngineCollector
 
 if TYPE_CHECKING:
     from gateway.generation import Usage
@@ -118,9 +118,11 @@ class GatewayMetrics:
         self.errors.labels(code=str(status_code)).inc()
 
     def render(self, snapshot: EngineSnapshot | None, accept: str | None) -> tuple[bytes, str]:
-        """(body, content type): the text format, or OpenMetrics when `accept` asks for it."""
+        """(body, content type): the text format, or OpenMetrics when `accept` asks for it. A None snapshot (the
+        engine was too busy to answer) leaves the previous one in place."""
         encoder, content_type = choose_encoder(accept or "")
-        self.engine.snapshot = snapshot  # no await between this and the encoding: scrapes cannot interleave
+        if snapshot is not None:
+            self.engine.snapshot = snapshot  # no await between this and the encoding: scrapes cannot interleave
         return encoder(self.registry), content_type
 
 

@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 
-from engine.outputs import TokenLogprob
+from engine.interface import TokenLogprob
 
 SSE_DONE = "data: [DONE]\n\n"
 

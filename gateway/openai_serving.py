@@ -16,9 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
 from engine.async_engine import AsyncEngine
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import EngineRequest
-from engine.sampling_params import SamplingParams
+from engine.interface import CompletionOutput, EngineRequest, RequestOutput, SamplingParams
 from gateway.accounting import Ticket
 from gateway.adapter_service import AdapterService, ModelChoice
 from gateway.chat_templates import ChatTemplates
@@ -70,7 +68,7 @@ class OpenAIServing:
         lora_name = body.lora_request.lora_name if body.lora_request else None
         return await self.adapters.choose(body.model, lora_name, caller.tenant)
 
-    def _generation(
+    async def _generation(
         self,
         endpoint: str,
         request_id: str,
@@ -92,7 +90,7 @@ class OpenAIServing:
         ]
         metrics = self.metrics.request(caller.tenant, choice.adapter_name, endpoint)
         generation = Generation(self.engine, requests, caller.on_done(choice), metrics)
-        generation.validate()
+        await generation.validate()
         return generation
 
     @staticmethod
@@ -157,7 +155,7 @@ class OpenAIServing:
         choice = await self._choose(body, caller)
         request_id = new_id("cmpl")
         prompts = self._completion_prompts(body.prompt)
-        generation = self._generation("completions", request_id, prompts, params, choice, caller)
+        generation = await self._generation("completions", request_id, prompts, params, choice, caller)
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": choice.model}
         if body.stream:
             stream = await self._primed(generation)
@@ -231,7 +229,7 @@ class OpenAIServing:
         )
         ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
         request_id = new_id("chatcmpl")
-        generation = self._generation("chat", request_id, [(text, ids)], params, choice, caller)
+        generation = await self._generation("chat", request_id, [(text, ids)], params, choice, caller)
         if body.stream:
             head = {"id": request_id, "object": "chat.completion.chunk", "created": now(), "model": choice.model}
             stream = await self._primed(generation)

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling_params import SamplingParams
+from engine.interface import SamplingParams
 from gateway.errors import APIError
 
 NonNegInt = Annotated[int, Field(ge=0)]

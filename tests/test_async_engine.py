@@ -67,7 +67,6 @@ def test_streams_match_offline_and_run_concurrently(model_dir, async_engine):
 
 def test_abort_mid_stream_frees_blocks_at_once(async_engine):
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    engine = async_engine.engine
 
     async def main():
         stream = async_engine.generate(EngineRequest("to-abort", [5] * 40, params))
@@ -77,16 +76,11 @@ def test_abort_mid_stream_frees_blocks_at_once(async_engine):
             if got == 3:
                 break
         await stream.aclose()  # leaving early aborts
-        return await async_engine.run_on_engine(
-            lambda: (
-                engine.block_manager.num_free_blocks,
-                engine.block_manager.num_blocks,
-                engine.has_unfinished,
-            )
-        )
+        return await async_engine.stats()
 
-    free, total, unfinished = asyncio.run(main())
-    assert free == total and not unfinished
+    stats = asyncio.run(main())
+    assert stats.kv_blocks_free == stats.kv_blocks_total and not stats.num_requests
+    assert stats.seqs_running == stats.seqs_waiting == 0
 
 
 def test_bad_request_fails_alone(async_engine):

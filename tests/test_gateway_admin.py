@@ -4,6 +4,7 @@ a request runs, warm / cold, and the server serving on after every error."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import threading
@@ -211,8 +212,8 @@ def test_deleting_an_adapter_in_use_lets_its_request_finish_then_frees_the_row(h
     reader.join(60)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # the running request finished
     assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) > 1
-    cache = server.state.engine.engine.adapter_cache
-    assert all(name != "busy@1" for name, _ in cache.resident_keys()) and cache.num_pinned == 0
+    stats = asyncio.run(server.state.engine.stats())
+    assert "busy@1" not in stats.adapters_on_device and stats.adapter_rows_pinned == 0
 
 
 def test_openai_client_sees_not_found_as_its_exception(server):
@@ -242,7 +243,7 @@ def test_a_name_version_re_registered_on_another_replica_never_serves_the_old_we
     on_a = complete(http, "swap", **prompt).json()
     assert on_a["choices"][0]["text"] == on_b["choices"][0]["text"] != old["choices"][0]["text"]
     digest = http.get("/admin/adapters/swap", headers=ADMIN).json()["digest"]
-    assert server.state.engine.engine.adapter_cache.digest(lora_request_of("swap@1", directory)) == digest
+    assert asyncio.run(server.state.engine.digest(lora_request_of("swap@1", directory))) == digest
 
 
 def lora_request_of(adapter_id: str, path) -> LoRARequest:

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from adapters.ref import LoRARequest
+from engine.interface import EngineSnapshot
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.gateway_server import BASE, ServerThread, build_tiny, settings_for
@@ -51,11 +52,15 @@ def offline_texts(tiny, jobs: list[tuple[str | None, list[int]]]) -> list[tuple[
     return [(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in outs]
 
 
+def stats(server) -> EngineSnapshot:
+    return asyncio.run(server.state.engine.stats())
+
+
 def assert_idle(server) -> None:
-    engine = server.state.engine.engine
-    assert not engine.groups
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert engine.adapter_cache.num_pinned == 0
+    now = stats(server)
+    assert now.num_requests == 0
+    assert now.kv_blocks_free == now.kv_blocks_total
+    assert now.adapter_rows_pinned == 0
 
 
 def test_interleaved_adapters_stream_and_not_match_the_offline_engine(server, tiny, tokenizer):
@@ -146,29 +151,27 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(server):
         assert r.status_code == 200
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
-    engine = server.state.engine.engine
     for _ in range(200):  # the abort reaches the engine thread within a few steps
-        if not engine.groups:
+        if not stats(server).num_requests:
             break
         asyncio.run(asyncio.sleep(0.05))
     assert_idle(server)
-    assert engine.stats.num_generated_tokens > 0
+    assert stats(server).generated_tokens > 0
     again = sync_client(server).completions.create(model="sql", prompt="x", max_tokens=3, extra_body=EXACT)
     assert again.usage.completion_tokens == 3  # the engine thread lives on
 
 
 def test_a_non_streaming_client_that_goes_away_aborts_its_request(server):
-    engine = server.state.engine.engine
-    before = engine.stats.num_generated_tokens
+    before = stats(server).generated_tokens
     body = {"model": "chat", "prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=httpx.Timeout(60, read=0.3)) as http:
         http.post(f"{server.url}/v1/completions", json=body)
     for _ in range(100):
-        if not engine.groups:
+        if not stats(server).num_requests:
             break
         asyncio.run(asyncio.sleep(0.05))
     assert_idle(server)
-    assert 0 < engine.stats.num_generated_tokens - before < 400  # stopped early, not run to the end
+    assert 0 < stats(server).generated_tokens - before < 400  # stopped early, not run to the end
 
 
 def test_health_version_and_openapi_docs(server):

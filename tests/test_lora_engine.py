@@ -12,11 +12,12 @@ import pytest
 
 from adapters.lora_weights import AdapterError
 from adapters.ref import LoRARequest
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineStopped
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
+from tests.engine_probe import llm_engine
 from tests.hf_models import make_adapter, make_model
 from tests.test_oracle import prompts
 
@@ -129,7 +130,7 @@ def test_async_cold_adapter_loads_while_others_run_and_a_bad_one_fails_alone(mod
     engine = AsyncEngine.from_config(
         EngineConfig(model=str(base), device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=256)
     )
-    cache = engine.engine.adapter_cache
+    cache = llm_engine(engine).adapter_cache
     gate = threading.Event()
     read = cache.read
 
@@ -160,7 +161,7 @@ def test_async_cold_adapter_loads_while_others_run_and_a_bad_one_fails_alone(mod
 
     try:
         slow_tokens, base_tokens, bad_result = asyncio.run(main())
-        trace = list(engine.engine.step_trace)
+        trace = list(llm_engine(engine).step_trace)
     finally:
         engine.shutdown()
     assert isinstance(bad_result, AdapterError) and "broken" in str(bad_result)
@@ -249,3 +250,39 @@ def test_forks_share_one_adapter_row_while_their_adapter_is_removed_and_re_added
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert engine.adapter_cache.num_pinned == 0
 
+
+def test_async_adapter_verbs_move_an_adapter_between_tiers(model):
+    base, loras, _ = model
+    a, b = loras[:2]
+    config = EngineConfig(model=str(base), device="cpu", enable_lora=True, max_loras=1, num_kv_blocks=64)
+    engine = AsyncEngine.from_config(config)
+
+    async def main():
+        info = await engine.add_adapter(a)
+        assert (info.adapter_id, info.rank, info.alpha) == ("a0", 8, 16.0) and info.digest.startswith("sha256:")
+        assert await engine.digest(a) == info.digest and await engine.tier(a) == "host"
+        assert await engine.load_adapter(a) == "device"
+        assert await engine.pin_adapter(a) == "device"
+        assert await engine.load_adapter(b) == "host"  # the only row is pinned
+        stats = await engine.stats()
+        assert stats.adapters_on_device == ("a0",) and stats.adapter_rows_pinned == 1
+        assert stats.adapters_on_host == ("a0", "a1") and stats.adapter_loads == 2
+        assert await engine.unpin_adapter(a) is True and await engine.unpin_adapter(a) is False
+        assert await engine.load_adapter(b) == "device" and await engine.tier(a) == "host"  # b took a's row
+        assert await engine.unload_adapter(b) is False and await engine.tier(b) == "host"
+        assert await engine.remove_adapter(a) is False and await engine.tier(a) == "disk"
+        assert await engine.digest(a) is None
+        with pytest.raises(AdapterError, match="nowhere"):
+            await engine.add_adapter(LoRARequest("nowhere", "/no/such/adapter"))
+        with pytest.raises(ValueError, match="empty"):
+            await engine.validate(EngineRequest("bad", [], GREEDY))
+        stats = await engine.stats()
+        assert stats.adapter_rows_pinned == 0 and stats.adapters_on_device == () and stats.num_requests == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    with pytest.raises(EngineStopped):  # a stopped engine answers at once instead of leaving callers waiting
+        asyncio.run(engine.tier(a))
+    assert asyncio.run(engine.stats()).adapters_on_host == ("a1",)

@@ -63,7 +63,7 @@ async def models(state: StateDep, tenant: TenantDep):
         "owned_by": "loraplex",
         "root": state.base_model,
         "parent": None,
-        "max_model_len": state.engine.engine.max_model_len,
+        "max_model_len": state.engine.max_model_len,
     }
     adapters = [
         {

@@ -1,0 +1,14 @@
+"""Test-only: the LLMEngine behind an AsyncEngine, for assertions on internals the public surface does not show.
+
+Nothing outside tests/ may do this: the gateway uses AsyncEngine's verbs only. Read it while the engine is idle
+(every request finished or aborted), or accept a racy read: the engine thread owns it.
+"""
+
+from __future__ import annotations
+
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
+
+
+def llm_engine(engine: AsyncEngine) -> LLMEngine:
+    return engine._engine
