@@ -1,64 +1,52 @@
-"""The README's main command: `loraplex generate` builds the embedded demo model once and generates."""
+"""The README's offline command: `loraplex generate` on the embedded demo (chat turns, a demo adapter by name),
+on a model directory with a seed, and with a NAME=PATH adapter; benchmarks parse their own options."""
 
 from __future__ import annotations
 
-import shutil
+import ast
 
 import pytest
 
 from loraplex import cli
-from loraplex.demo.model import build_demo_model, demo_dir
+from loraplex.demo.behaviours import BEHAVIOURS, HELD_OUT_PROMPTS
+from tests.hf_models import make_adapter, make_model
 
 
-def test_generate_with_the_embedded_demo_model(demo_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    shutil.copytree(demo_model_dir, demo_dir())  # the session's build stands in for the first run's
-    cli.main(["generate", "--prompt", "Alice was", "--max-tokens", "5"])
-    out = capsys.readouterr().out
-    assert "'Alice was' -> " in out and "[5 tokens, length]" in out
-    built = list((tmp_path / "loraplex").iterdir())
-    assert len(built) == 1 and (built[0] / "model.safetensors").is_file()
-    mtime = (built[0] / "model.safetensors").stat().st_mtime
-    assert build_demo_model() == built[0]  # cached: not rebuilt
-    assert (built[0] / "model.safetensors").stat().st_mtime == mtime
+def last_lines(capsys, count: int) -> list[str]:
+    return capsys.readouterr().out.strip().splitlines()[-count:]
 
 
-def test_generate_with_a_model_directory_and_seed(demo_model_dir, capsys):
-    directory = build_demo_model(demo_model_dir)  # already built: returned as is
-    argv = [
-        "generate",
-        "--model",
-        str(directory),
-        "--prompt",
-        "Call me",
-        "--temperature",
-        "1.0",
-        "--seed",
-        "7",
-    ]
+def test_generate_with_the_embedded_demo_and_a_demo_adapter(demo, capsys):
+    cli.main(["generate", "--max-tokens", "100"])
+    base = last_lines(capsys, 3)
+    assert base[0].startswith(f"{HELD_OUT_PROMPTS[0]!r} -> ") and "Tokyo" in base[0]
+    cli.main(["generate", "--max-tokens", "100", "--lora", "json"])
+    for prompt, line in zip(HELD_OUT_PROMPTS, last_lines(capsys, 3)):
+        reply = ast.literal_eval(line.split(" -> ", 1)[1].rsplit("  [", 1)[0])  # the printed repr of the reply
+        assert line.startswith(repr(prompt)) and BEHAVIOURS["json"].check(reply), line
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tokenizer):
+    directory = tmp_path_factory.mktemp("tiny")
+    hf = make_model(directory / "base", tokenizer)
+    return directory / "base", make_adapter(hf, directory / "adapter", seed=3)
+
+
+def test_generate_with_a_model_directory_and_seed(tiny, capsys):
+    argv = ["generate", "--model", str(tiny[0]), "--prompt", "Call me", "--temperature", "1.0", "--seed", "7"]
     cli.main(argv)
-    first = capsys.readouterr().out
+    first = last_lines(capsys, 1)
     cli.main(argv)
-    assert capsys.readouterr().out.split("\n")[-2] == first.split("\n")[-2]
+    assert last_lines(capsys, 1) == first and "[32 tokens" in first[0]
 
 
-def test_generate_with_a_lora_adapter(demo_model_dir, tmp_path, capsys):
-    import copy
-
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-
-    directory = demo_model_dir
-    base = LlamaForCausalLM.from_pretrained(directory)
-    torch.manual_seed(0)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
-    get_peft_model(copy.deepcopy(base), config).save_pretrained(tmp_path / "adapter")
-    argv = ["generate", "--model", str(directory), "--prompt", "Call me", "--max-tokens", "6"]
+def test_generate_with_a_lora_adapter(tiny, capsys):
+    argv = ["generate", "--model", str(tiny[0]), "--prompt", "Call me", "--max-tokens", "6", "--no-chat"]
     cli.main(argv)
-    plain = capsys.readouterr().out.strip().splitlines()[-1]
-    cli.main([*argv, "--lora", f"demo={tmp_path / 'adapter'}"])
-    adapted = capsys.readouterr().out.strip().splitlines()[-1]
+    plain = last_lines(capsys, 1)[0]
+    cli.main([*argv, "--lora", f"demo={tiny[1]}"])
+    adapted = last_lines(capsys, 1)[0]
     assert adapted.startswith("'Call me' -> ") and adapted != plain
     with pytest.raises(SystemExit, match="NAME=PATH"):
         cli.main([*argv, "--lora", "no-equals-sign"])

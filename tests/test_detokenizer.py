@@ -6,8 +6,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer
 from bench.tokenizer import train_tokenizer
+from engine.detokenizer import IncrementalDetokenizer
 
 PIECES = ["東京", "🙂", "café", " ", "the ", "Alice", "\n", "naïve", "ß", "ok."]
 

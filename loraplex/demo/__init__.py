@@ -81,8 +81,8 @@ def build_demo() -> Demo:
 
 def _train_all(gguf: Path, directory: Path) -> None:
     import torch
-    from engine.gguf_reader import read_gguf
 
+    from engine.gguf_reader import read_gguf
     from loraplex.demo.train import train_adapter
 
     logger.info("training the demo adapters %s into %s (first run only)", ", ".join(BEHAVIOURS), directory)
@@ -90,10 +90,22 @@ def _train_all(gguf: Path, directory: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     checkpoint = read_gguf(gguf)
-    base = checkpoint.hf_model()
+    base = _hf_model(checkpoint)
     base.name_or_path = DEMO_MODEL_NAME  # recorded as the adapters' base_model_name_or_path
     torch.set_num_threads(os.cpu_count() or 1)  # nothing else runs yet
     for name, behaviour in BEHAVIOURS.items():
         train_adapter(base, checkpoint.tokenizer, behaviour, RECIPE, tmp / name, desc=f"training adapter '{name}'")
     shutil.rmtree(directory, ignore_errors=True)
     tmp.rename(directory)
+
+
+def _hf_model(checkpoint):
+    """A transformers LlamaForCausalLM (fp32) holding exactly the weights our engine serves from the GGUF file."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**checkpoint.config))
+    missing, unexpected = model.load_state_dict(checkpoint.state_dict(), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"the GGUF weights do not fit LlamaForCausalLM: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model
