@@ -33,8 +33,8 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not Path(self.model).is_dir():
-            raise FileNotFoundError(f"model directory not found: {self.model}")
+        if not (Path(self.model).is_dir() or (str(self.model).endswith(".gguf") and Path(self.model).is_file())):
+            raise FileNotFoundError(f"model directory or GGUF file not found: {self.model}")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.startswith("cuda") and not torch.cuda.is_available():

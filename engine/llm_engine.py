@@ -19,6 +19,7 @@ from adapters.ref import LoRARequest
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.gguf_reader import is_gguf, read_gguf
 from engine.interface import AdapterInfo, EngineSnapshot, Tier
 from engine.model_loader import load_tokenizer
 from engine.model_runner import ModelRunner
@@ -75,8 +76,11 @@ class LLMEngine:
         torch.manual_seed(config.seed)
 
     def _eos_token_ids(self) -> set[int]:
-        """The tokenizer's eos plus any that generation_config.json lists (chat models often add one)."""
+        """The tokenizer's eos plus any that generation_config.json lists (chat models often add one); for a GGUF
+        file, the eos, end-of-turn and end-of-message ids of its metadata."""
         ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        if is_gguf(self.config.model):
+            return ids | set(read_gguf(self.config.model).eos_token_ids)
         gen_config = Path(self.config.model) / "generation_config.json"
         if gen_config.is_file():
             eos = json.loads(gen_config.read_text()).get("eos_token_id")

@@ -1,13 +1,15 @@
-"""Loads a Hugging Face model directory (config.json, *.safetensors, tokenizer) into our own model.
+"""Loads a Hugging Face model directory (config.json, *.safetensors, tokenizer) or a GGUF file into our own model.
 
-transformers reads the config and the tokenizer only; the weights go straight from safetensors into the
-packed modules of `engine.models.llama`. Every failure names the file or tensor at fault.
+transformers reads the config and the tokenizer only; the weights go straight from safetensors (or, dequantized,
+from the GGUF file: `engine.gguf_reader`) into the packed modules of `engine.models.llama`. Every failure names
+the file or tensor at fault.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -15,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.gguf_reader import is_gguf, read_gguf
 from engine.models.arch import ModelArch, UnsupportedModelError
 from engine.models.llama import LlamaForCausalLM, packed_modules
 
@@ -26,6 +29,8 @@ class WeightLoadError(ValueError):
 
 
 def load_arch(model_dir: str | Path) -> ModelArch:
+    if is_gguf(model_dir):
+        return read_gguf(model_dir).arch
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in model directory {model_dir}")
@@ -37,6 +42,8 @@ def load_arch(model_dir: str | Path) -> ModelArch:
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    if is_gguf(model_dir):
+        return read_gguf(model_dir).tokenizer
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError) as e:
@@ -72,9 +79,30 @@ def _target(model: LlamaForCausalLM, params: dict[str, torch.Tensor], name: str)
 
 
 def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
-    """Fills every parameter of `model` (on its device and dtype) from the directory's safetensors files."""
+    """Fills every parameter of `model` (on its device and dtype) from the directory's safetensors files, or from
+    a GGUF file."""
     params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
     filled: dict[str, set[int]] = {}  # our parameter -> shards filled
+    tensors = _gguf_tensors(model_dir) if is_gguf(model_dir) else _safetensors_tensors(model_dir)
+    for name, tensor, source in tensors:
+        if name == "lm_head.weight" and model.arch.tie_word_embeddings:
+            continue
+        target = _target(model, params, name)
+        if target is None:
+            logger.debug("ignoring tensor %s in %s", name, source.name)
+            continue
+        param_name, rows, shard = target
+        _copy(params[param_name], rows, tensor, name, source)
+        filled.setdefault(param_name, set()).add(shard)
+    num_shards = {"qkv_proj": 3, "gate_up_proj": 2}
+    missing = [n for n in params if len(filled.get(n, ())) < num_shards.get(n.rsplit(".", 2)[-2], 1)]
+    if missing:
+        more = " ..." if len(missing) > 5 else ""
+        raise WeightLoadError(f"weights missing from {model_dir}: {', '.join(missing[:5])}{more}")
+
+
+def _safetensors_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """(name, tensor, file) for every tensor of the directory's safetensors files."""
     files = weight_files(model_dir)
     total = sum(path.stat().st_size for path in files)
     with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1024) as bar:
@@ -84,22 +112,16 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
                     for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                         tensor = f.get_tensor(name)
                         bar.update(tensor.numel() * tensor.element_size())
-                        if name == "lm_head.weight" and model.arch.tie_word_embeddings:
-                            continue
-                        target = _target(model, params, name)
-                        if target is None:
-                            logger.debug("ignoring tensor %s in %s", name, path.name)
-                            continue
-                        param_name, rows, shard = target
-                        _copy(params[param_name], rows, tensor, name, path)
-                        filled.setdefault(param_name, set()).add(shard)
+                        yield name, tensor, path
             except SafetensorError as e:
                 raise WeightLoadError(f"cannot read weight file {path} (truncated or corrupt?): {e}") from e
-    num_shards = {"qkv_proj": 3, "gate_up_proj": 2}
-    missing = [n for n in params if len(filled.get(n, ())) < num_shards.get(n.rsplit(".", 2)[-2], 1)]
-    if missing:
-        more = " ..." if len(missing) > 5 else ""
-        raise WeightLoadError(f"weights missing from {model_dir}: {', '.join(missing[:5])}{more}")
+
+
+def _gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """(Hugging Face name, fp32 tensor, file) for every tensor of a GGUF file, dequantized one at a time."""
+    gguf = read_gguf(path)
+    for name, tensor in tqdm(gguf.tensors(), total=gguf.num_tensors, desc="loading weights", unit="tensor"):
+        yield name, tensor, gguf.path
 
 
 def _copy(param: torch.Tensor, rows: slice | None, tensor: torch.Tensor, name: str, path: Path) -> None:
