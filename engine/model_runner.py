@@ -1,7 +1,8 @@
 """ModelRunner: owns the model, the KV pool and every device tensor of a step.
 
 `execute(batch)` lays the scheduled tokens out flat (prefill tokens first, then one per decode), builds the
-attention metadata once, runs the forward pass and returns logits only for the rows that sample.
+step's metadata once (attention, and LoRA when some token has an adapter), runs the forward pass with it and
+returns logits only for the rows that sample.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from adapters.base_spec import BaseModelSpec
 from adapters.cache import AdapterCache
 from engine.config import EngineConfig
 from engine.cpu_malloc import keep_freed_memory
-from engine.layers.lora_linear import LoRAContext, LoRALinear
+from engine.layers.lora_linear import LoRALinear
 from engine.layers.packed_linear import can_pack, pack_linears
 from engine.model_loader import load_model
 from engine.models.arch import ModelArch
 from engine.models.llama import lora_targets
 from engine.scheduler import ScheduledBatch
-from kernels.lora import LoraMeta, get_lora_ops
+from engine.step_meta import StepMeta
+from kernels.lora import NO_ADAPTER, LoraMeta
 from kernels.paged_attention import PagedAttentionMeta
 
 logger = logging.getLogger(__name__)
@@ -45,7 +47,6 @@ class ModelRunner:
         if can_pack(self.device, config.torch_dtype):
             logger.info("packed %d linear layers for oneDNN", pack_linears(self.model))
         self.adapter_cache: AdapterCache | None = None
-        self.lora_context: LoRAContext | None = None
         if config.enable_lora:
             self._enable_lora()
         self.num_blocks = self._num_blocks()
@@ -91,12 +92,11 @@ class ModelRunner:
             config.torch_dtype,
             config.allow_pickle_adapters,
         )
-        self.lora_context = LoRAContext(get_lora_ops(config.lora_backend))
         for layer_idx in range(arch.num_layers):
             for name, owner in self.model.lora_owners(layer_idx).items():
                 slices = tuple(spec.module_shapes[m][1] for m in lora_targets[name])
                 a, b = self.adapter_cache.lora_a[layer_idx][name], self.adapter_cache.lora_b[layer_idx][name]
-                setattr(owner, name, LoRALinear(getattr(owner, name), a, b, slices, self.lora_context))
+                setattr(owner, name, LoRALinear(getattr(owner, name), a, b, slices, config.lora_backend))
         logger.info(
             "LoRA: %d device rows of rank %d, %d adapters in host memory, %s kernels",
             config.max_loras,
@@ -140,7 +140,7 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
         p = batch.num_prefills
-        meta = PagedAttentionMeta.build(
+        attn = PagedAttentionMeta.build(
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
             block_size=bs,
             prefill_q_lens=q_lens[:p],
@@ -153,9 +153,10 @@ class ModelRunner:
         input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
         positions_t = torch.from_numpy(np.concatenate(positions)).to(self.device)  # [T]
         sample_rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self.device)  # [S]
-        if self.lora_context is not None:
-            self.lora_context.meta = LoraMeta.build(token_adapter_idx, self.device)
-        return input_ids_t, positions_t, meta, sample_rows_t
+        lora = None
+        if self.adapter_cache is not None and max(token_adapter_idx) != NO_ADAPTER:
+            lora = LoraMeta.build(token_adapter_idx, self.device)
+        return input_ids_t, positions_t, StepMeta(attn, lora), sample_rows_t
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:

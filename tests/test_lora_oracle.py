@@ -72,11 +72,10 @@ def our_logits(llm: LLM, token_ids: list[int], lora: LoRARequest | None) -> torc
     if lora is not None:
         cache.load(lora)
         idx = cache.acquire(lora)
-    runner.lora_context.meta = LoraMeta.build([idx] * len(token_ids), runner.device)
+    meta = LoraMeta.build([idx] * len(token_ids), runner.device) if idx >= 0 else None  # None, as the runner passes
     try:
-        return our_prompt_logits(llm, token_ids)
+        return our_prompt_logits(llm, token_ids, meta)
     finally:
-        runner.lora_context.meta = None
         if idx >= 0:
             cache.release(idx)
 

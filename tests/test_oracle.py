@@ -7,6 +7,8 @@ import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.step_meta import StepMeta
+from kernels.lora import LoraMeta
 from kernels.paged_attention import PagedAttentionMeta
 from tests.hf_models import make_model
 
@@ -48,13 +50,13 @@ def model_pair(request, tmp_path_factory, tokenizer):
     return hf, llm
 
 
-def our_prompt_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
+def our_prompt_logits(llm: LLM, token_ids: list[int], lora: LoraMeta | None = None) -> torch.Tensor:
     """Every position's logits from our model for one prompt, through the paged cache: [L, V]."""
     runner = llm.engine.runner
     bs = runner.block_size
     blocks = list(range(-(-len(token_ids) // bs)))
     pos = torch.arange(len(token_ids))
-    meta = PagedAttentionMeta.build(
+    attn = PagedAttentionMeta.build(
         slot_mapping=torch.tensor(blocks)[pos // bs] * bs + pos % bs,
         block_size=bs,
         prefill_q_lens=[len(token_ids)],
@@ -65,7 +67,7 @@ def our_prompt_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
         device="cpu",
     )
     with torch.inference_mode():
-        hidden = runner.model(torch.tensor(token_ids), pos, meta)
+        hidden = runner.model(torch.tensor(token_ids), pos, StepMeta(attn, lora))
         return runner.model.compute_logits(hidden)
 
 

@@ -2,8 +2,8 @@
 
     y = base(x);  y[t, slice_s] += (x[t] @ A_i[s].T) @ B_i[s].T,  i = token_adapter_idx[t]   (-1: base only)
 
-Every LoRALinear of a model shares one LoRAContext, which the model runner points at the step's LoraMeta;
-the stacked weights are views into the AdapterCache's rows. A batch without adapters costs nothing extra.
+The stacked weights are views into the AdapterCache's rows (each adapter's scaling already folded into B); the
+step's LoraMeta comes with each call. A step without adapters (lora None) costs nothing beyond the base.
 """
 
 from __future__ import annotations
@@ -11,15 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.lora import LoraMeta
-
-
-class LoRAContext:
-    """The current step's LoraMeta for one model's LoRA layers (None: no adapter in this step)."""
-
-    def __init__(self, backend_ops):
-        self.ops = backend_ops
-        self.meta: LoraMeta | None = None
+from kernels.lora import LoraMeta, get_lora_ops
 
 
 class LoRALinear(nn.Module):
@@ -29,19 +21,23 @@ class LoRALinear(nn.Module):
         lora_a: torch.Tensor,
         lora_b: torch.Tensor,
         output_slices: tuple[int, ...],
-        context: LoRAContext,
+        backend: str = "torch",
     ):
         super().__init__()
         self.base = base
         self.lora_a = lora_a  # [N, S * R, H_in]
         self.lora_b = lora_b  # [N, H_out, R]
         self.output_slices = output_slices
-        self.context = context
+        self.ops = get_lora_ops(backend)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraMeta | None = None) -> torch.Tensor:
         y = self.base(x)  # [T, H_out]
-        meta = self.context.meta
-        if meta is None:
-            return y
-        self.context.ops.add_lora(y, x, self.lora_a, self.lora_b, meta, None, self.output_slices)
+        if lora is not None:
+            self.ops.add_lora(y, x, self.lora_a, self.lora_b, lora, None, self.output_slices)
         return y
+
+
+def apply_linear(module: nn.Module, x: torch.Tensor, lora: LoraMeta | None) -> torch.Tensor:
+    """module(x) for a LoRA-able projection: with the step's LoRA deltas once the runner has wrapped it in a
+    LoRALinear, else the plain (nn.Linear or PackedLinear) base."""
+    return module(x, lora) if isinstance(module, LoRALinear) else module(x)

@@ -2,7 +2,8 @@
 
 Packed projections: `qkv_proj` = [q; k; v] rows and `gate_up_proj` = [gate; up] rows, as the loader fills
 them from the checkpoint's separate tensors (see `packed_modules`). Signatures stay
-`forward(input_ids, positions, meta)`: only attention reads the step's metadata.
+`forward(input_ids, positions, meta)`: attention reads the step's `meta.attn`, and the LoRA-able projections
+(`lora_targets`) take `meta.lora` through `apply_linear`.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import PagedAttention
+from engine.layers.lora_linear import apply_linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.arch import ModelArch
-from kernels.paged_attention import PagedAttentionMeta
+from engine.step_meta import StepMeta
+from kernels.lora import LoraMeta
 
 # checkpoint name -> (our packed module, which slice)
 packed_modules = {
@@ -50,17 +53,17 @@ class Attention(nn.Module):
         self.qk_norm = arch.qk_norm
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, attention_backend)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: PagedAttentionMeta):
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: StepMeta):
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.output_slices, dim=-1)
+        q, k, v = apply_linear(self.qkv_proj, x, meta.lora).split(self.output_slices, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = self.attn(q, k, v, meta)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.attn(q, k, v, meta.attn)  # [T, Hq, D]
+        return apply_linear(self.o_proj, out.reshape(num_tokens, self.q_size), meta.lora)
 
 
 class MLP(nn.Module):
@@ -70,9 +73,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoraMeta | None) -> torch.Tensor:
+        gate, up = apply_linear(self.gate_up_proj, x, lora).chunk(2, dim=-1)
+        return apply_linear(self.down_proj, F.silu(gate) * up, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -90,7 +93,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm.add_and_norm(x, residual)
         x = self.self_attn(x, rope, meta)
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, meta.lora), residual
 
 
 class LlamaModel(nn.Module):
@@ -101,7 +104,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMeta):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta):
         x = self.embed_tokens(input_ids)  # [T, H]
         rope = self.rotary(positions)  # once per step, shared by every layer
         residual = None
@@ -120,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMeta) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, H]."""
         return self.model(input_ids, positions, meta)
 
