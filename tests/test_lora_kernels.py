@@ -27,7 +27,6 @@ class Case:
     x: Tensor  # [T, H_in], NaN on rows without an adapter: nothing may read them
     lora_a: Tensor  # [N, S * R, H_in]
     lora_b: Tensor  # [N, H_out, R]
-    scaling: Tensor  # [N]
     output_slices: tuple[int, ...]
     token_adapter_idx: list[int]
     meta: LoraMeta
@@ -41,7 +40,7 @@ class Case:
         return torch.tensor(self.token_adapter_idx) >= 0
 
 
-def naive_lora(x, lora_a, lora_b, scaling, token_adapter_idx, output_slices) -> tuple[Tensor, Tensor]:
+def naive_lora(x, lora_a, lora_b, token_adapter_idx, output_slices) -> tuple[Tensor, Tensor]:
     """Token by token in fp32: (z [T, S * R], NaN rows for -1; delta [T, H_out], zero rows for -1)."""
     rank = lora_b.shape[2]
     z = torch.full((x.shape[0], lora_a.shape[1]), float("nan"))
@@ -49,7 +48,7 @@ def naive_lora(x, lora_a, lora_b, scaling, token_adapter_idx, output_slices) -> 
     for t, i in enumerate(token_adapter_idx):
         if i < 0:
             continue
-        z[t] = scaling[i].float() * (lora_a[i].float() @ x[t].float())
+        z[t] = lora_a[i].float() @ x[t].float()
         offset = 0
         for s, size in enumerate(output_slices):
             delta[t, offset : offset + size] = (
@@ -93,12 +92,11 @@ def make_case(
     x = randn(num_tokens, hidden_in).masked_fill(~has_adapter[:, None], float("nan"))
     lora_a = randn(num_adapters, width, hidden_in, scale=hidden_in**-0.5)
     lora_b = randn(num_adapters, hidden_out, rank, scale=rank**-0.5)
-    scaling = torch.rand(num_adapters, generator=gen) + 0.5
     out, y = randn(num_tokens, width), randn(num_tokens, hidden_out)
-    z, delta = naive_lora(x, lora_a, lora_b, scaling, token_adapter_idx, output_slices)
-    tensors = [t.to(device) for t in (x, lora_a, lora_b, scaling, out, y, z, y.float() + delta)]
+    z, delta = naive_lora(x, lora_a, lora_b, token_adapter_idx, output_slices)
+    tensors = [t.to(device) for t in (x, lora_a, lora_b, out, y, z, y.float() + delta)]
     meta = LoraMeta.build(token_adapter_idx, device)
-    return Case(*tensors[:4], output_slices, token_adapter_idx, meta, *tensors[4:])
+    return Case(*tensors[:3], output_slices, token_adapter_idx, meta, *tensors[3:])
 
 
 def assert_rows(actual, expected, has_adapter, tol=1e-5):
@@ -115,13 +113,13 @@ def expected_out(case: Case) -> Tensor:
 def check_ops(ops, case: Case, tol=1e-5) -> None:
     """lora_shrink, lora_expand and add_lora of one backend against the naive reference."""
     out = case.out.clone()
-    ops.lora_shrink(out, case.x, case.lora_a, case.meta, case.scaling)
+    ops.lora_shrink(out, case.x, case.lora_a, case.meta)
     assert_rows(out, expected_out(case), case.has_adapter, tol)
     y = case.y.clone()
     ops.lora_expand(y, case.expected_z.to(case.y.dtype), case.lora_b, case.meta, case.output_slices)
     assert_rows(y, case.expected_y, case.has_adapter, tol)
     y = case.y.clone()
-    ops.add_lora(y, case.x, case.lora_a, case.lora_b, case.meta, case.scaling, case.output_slices)
+    ops.add_lora(y, case.x, case.lora_a, case.lora_b, case.meta, case.output_slices)
     assert_rows(y, case.expected_y, case.has_adapter, tol)
 
 
@@ -196,9 +194,9 @@ def test_no_adapter_in_the_batch_does_nothing(backend):
     case = make_case(7, 3, 8, "uniform", "qkv")
     meta = LoraMeta.build([-1] * 7, "cpu")
     out, y = case.out.clone(), case.y.clone()
-    ops.lora_shrink(out, case.x, case.lora_a, meta, case.scaling)
+    ops.lora_shrink(out, case.x, case.lora_a, meta)
     ops.lora_expand(y, case.expected_z, case.lora_b, meta, case.output_slices)
-    ops.add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.scaling, case.output_slices)
+    ops.add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.output_slices)
     assert torch.equal(out, case.out) and torch.equal(y, case.y)
 
 
@@ -210,7 +208,7 @@ def test_rows_without_adapter_untouched(backend):
     idx = case.token_adapter_idx
     assert -1 in idx and any(i >= 0 for i in idx)
     y = case.y.clone()
-    ops.add_lora(y, case.x, case.lora_a, case.lora_b, case.meta, None, case.output_slices)
+    ops.add_lora(y, case.x, case.lora_a, case.lora_b, case.meta, case.output_slices)
     no_adapter = ~case.has_adapter
     assert torch.equal(y[no_adapter], case.y[no_adapter]) and not y.isnan().any()
 
@@ -227,7 +225,7 @@ def test_strided_views_and_given_buffer(backend):
     y = wide_y[:, 5:]
     y.copy_(case.y)
     buffer = torch.zeros(11, case.out.shape[1] + 2)[:, 1:-1]
-    ops.add_lora(y, x, case.lora_a, case.lora_b, case.meta, case.scaling, case.output_slices, buffer=buffer)
+    ops.add_lora(y, x, case.lora_a, case.lora_b, case.meta, case.output_slices, buffer=buffer)
     assert_rows(y, case.expected_y, case.has_adapter)
     assert torch.equal(wide_y[:, :5], torch.zeros(11, 5))
 
@@ -255,9 +253,9 @@ def test_triton_ops_match_torch_ops(num_tokens, num_adapters, rank, popularity, 
     outs, ys = [], []
     for ops in (triton_ops, torch_ops):
         outs.append(case.out.clone())
-        ops.lora_shrink(outs[-1], case.x, case.lora_a, case.meta, case.scaling)
+        ops.lora_shrink(outs[-1], case.x, case.lora_a, case.meta)
         ys.append(case.y.clone())
-        ops.add_lora(ys[-1], case.x, case.lora_a, case.lora_b, case.meta, case.scaling, case.output_slices)
+        ops.add_lora(ys[-1], case.x, case.lora_a, case.lora_b, case.meta, case.output_slices)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ys[0], ys[1], rtol=1e-5, atol=1e-5)
 
@@ -280,7 +278,7 @@ BF16_DOT_BROKEN = pytest.mark.skipif(
 def test_half_precision(backend, dtype, popularity):
     case = make_case(64, 8, 16, popularity, "qkv", dtype=dtype)
     y = case.y.clone()
-    get_lora_ops(backend).add_lora(y, case.x, case.lora_a, case.lora_b, case.meta, case.scaling, case.output_slices)
+    get_lora_ops(backend).add_lora(y, case.x, case.lora_a, case.lora_b, case.meta, case.output_slices)
     assert y.dtype == dtype
     assert_rows(y, case.expected_y, case.has_adapter, tol={torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype])
 
@@ -290,9 +288,9 @@ def test_ops_reject_mismatched_shapes(backend):
     ops = get_lora_ops(backend)
     case = make_case(7, 3, 8, "uniform", "qkv")
     with pytest.raises(ValueError, match="lora_a"):
-        ops.lora_shrink(case.out, case.x[:, :-1], case.lora_a, case.meta, None)
+        ops.lora_shrink(case.out, case.x[:, :-1], case.lora_a, case.meta)
     with pytest.raises(ValueError, match="past the 2 stacked rows"):
-        ops.lora_shrink(case.out, case.x, case.lora_a[:2], case.meta, None)
+        ops.lora_shrink(case.out, case.x, case.lora_a[:2], case.meta)
     with pytest.raises(ValueError, match="output_slices"):
         ops.lora_expand(case.y, case.expected_z, case.lora_b, case.meta, (40, 24, 23))
     with pytest.raises(ValueError, match="rows"):
@@ -327,10 +325,9 @@ def test_triton_ops_match_torch_ops_on_cuda(dtype, popularity):
     x = torch.randn(num_tokens, 4096, device="cuda", dtype=dtype)
     lora_a = torch.randn(num_adapters, 3 * rank, 4096, device="cuda", dtype=dtype) / 64
     lora_b = torch.randn(num_adapters, sum(output_slices), rank, device="cuda", dtype=dtype) / 4
-    scaling = torch.rand(num_adapters, device="cuda") + 0.5
     y = torch.randn(num_tokens, sum(output_slices), device="cuda", dtype=dtype)
     ref = y.float()
-    torch_ops.add_lora(ref, x.float(), lora_a.float(), lora_b.float(), meta, scaling, output_slices)
-    get_lora_ops("triton").add_lora(y, x, lora_a, lora_b, meta, scaling, output_slices)
+    torch_ops.add_lora(ref, x.float(), lora_a.float(), lora_b.float(), meta, output_slices)
+    get_lora_ops("triton").add_lora(y, x, lora_a, lora_b, meta, output_slices)
     tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
     torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol)

@@ -33,7 +33,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoraMeta | None = None) -> torch.Tensor:
         y = self.base(x)  # [T, H_out]
         if lora is not None:
-            self.ops.add_lora(y, x, self.lora_a, self.lora_b, lora, None, self.output_slices)
+            self.ops.add_lora(y, x, self.lora_a, self.lora_b, lora, self.output_slices)
         return y
 
 

@@ -13,7 +13,7 @@ __all__ = ["BACKENDS", "NO_ADAPTER", "LoraMeta", "add_lora", "get_lora_ops"]
 
 
 def get_lora_ops(name: str) -> ModuleType:
-    """The backend module `name` ("torch" | "triton"), with lora_shrink(out, x, lora_a, meta, scaling),
+    """The backend module `name` ("torch" | "triton"), with lora_shrink(out, x, lora_a, meta),
     lora_expand(y, z, lora_b, meta, output_slices) and add_lora(...); Triton is imported only here, on first use."""
     if name not in BACKENDS:
         raise ValueError(f"unknown LoRA backend {name!r}; choose one of {', '.join(BACKENDS)}")

@@ -14,16 +14,15 @@ def compose_add_lora(lora_shrink: Callable, lora_expand: Callable) -> Callable:
         lora_a: Tensor,
         lora_b: Tensor,
         meta: LoraMeta,
-        scaling: Tensor | None,
         output_slices: tuple[int, ...],
         buffer: Tensor | None = None,
     ) -> None:
-        """y[t] += scaling[i] * (x[t] @ lora_a[i].T) @ lora_b[i].T per slice: lora_shrink into buffer
+        """y[t] += (x[t] @ lora_a[i].T) @ lora_b[i].T per slice, i = token_adapter_idx[t]: lora_shrink into buffer
         (z: [T, S * R], allocated here when None), then lora_expand."""
         if not meta.has_lora:
             return
         z = buffer if buffer is not None else x.new_empty(x.shape[0], lora_a.shape[1])  # [T, S * R]
-        lora_shrink(z, x, lora_a, meta, scaling)
+        lora_shrink(z, x, lora_a, meta)
         lora_expand(y, z, lora_b, meta, output_slices)
 
     return add_lora

@@ -32,30 +32,26 @@ def choose_layout(meta: LoraMeta, padded_floats_per_row: int, calls_per_adapter:
     return "runs" if meta.run_starts is not None else "sorted"
 
 
-def lora_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta, scaling: Tensor | None) -> None:
-    """out[t] = scaling[i] * x[t] @ lora_a[i].T, i = token_adapter_idx[t]; rows with i == -1 untouched.
-    out: [T, S * R] · x: [T, H_in] · lora_a: [N, S * R, H_in] · scaling: [N] or None (= 1)"""
+def lora_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta) -> None:
+    """out[t] = x[t] @ lora_a[i].T, i = token_adapter_idx[t]; rows with i == -1 untouched.
+    out: [T, S * R] · x: [T, H_in] · lora_a: [N, S * R, H_in]"""
     if not meta.has_lora:
         return
     check_shrink(out, x, lora_a, meta)
     layout = choose_layout(meta, x.shape[1], 1)
     if layout == "padded":
-        _shrink_padded(out, x, lora_a, meta, scaling)
+        _shrink_padded(out, x, lora_a, meta)
         return
-    alphas = [1.0] * lora_a.shape[0] if scaling is None else scaling.tolist()
     rows = zip(meta.active_adapters, meta.seg_starts, meta.seg_ends, strict=True)
     if layout == "runs":
         for i, (adapter, start, end) in enumerate(rows):
             run = slice(meta.run_starts[i], meta.run_starts[i] + end - start)
-            torch.addmm(out[run], x[run], lora_a[adapter].T, beta=0, alpha=alphas[adapter], out=out[run])
+            torch.mm(x[run], lora_a[adapter].T, out=out[run])
         return
     sorted_x = x.index_select(0, meta.sorted_token_idx)  # [L, H_in]
     sorted_out = torch.empty(sorted_x.shape[0], out.shape[1], dtype=out.dtype, device=out.device)  # [L, S * R]
     for adapter, start, end in rows:
-        seg = slice(start, end)
-        torch.addmm(
-            sorted_out[seg], sorted_x[seg], lora_a[adapter].T, beta=0, alpha=alphas[adapter], out=sorted_out[seg]
-        )
+        torch.mm(sorted_x[start:end], lora_a[adapter].T, out=sorted_out[start:end])
     out.index_copy_(0, meta.sorted_token_idx, sorted_out)
 
 
@@ -88,12 +84,10 @@ def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_sli
     y.index_add_(0, meta.sorted_token_idx, delta)
 
 
-def _shrink_padded(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta, scaling: Tensor | None) -> None:
+def _shrink_padded(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta) -> None:
     num_active, max_len = meta.num_active, meta.max_seg_len
     padded_x = x.index_select(0, meta.padded_token_idx).view(num_active, max_len, x.shape[1])  # [A, M, H_in]
     padded_out = torch.bmm(padded_x, _active_rows(lora_a, meta).transpose(1, 2))  # [A, M, S * R]
-    if scaling is not None:
-        padded_out.mul_(scaling.index_select(0, meta.seg_adapter_idx).view(num_active, 1, 1))
     rows = padded_out.view(-1, out.shape[1]).index_select(0, meta.padded_rows)  # [L, S * R]
     out.index_copy_(0, meta.sorted_token_idx, rows)
 

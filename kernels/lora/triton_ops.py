@@ -26,9 +26,9 @@ EXPAND_BLOCK_N = 64  # output columns (of one slice) per expand program
 MAX_EXPAND_BLOCK_K = 64  # rank per step
 
 
-def lora_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta, scaling: Tensor | None) -> None:
-    """out[t] = scaling[i] * x[t] @ lora_a[i].T, i = token_adapter_idx[t]; rows with i == -1 untouched.
-    out: [T, S * R] · x: [T, H_in] · lora_a: [N, S * R, H_in] · scaling: [N] or None (= 1)"""
+def lora_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta) -> None:
+    """out[t] = x[t] @ lora_a[i].T, i = token_adapter_idx[t]; rows with i == -1 untouched.
+    out: [T, S * R] · x: [T, H_in] · lora_a: [N, S * R, H_in]"""
     if not meta.has_lora:
         return
     check_shrink(out, x, lora_a, meta)
@@ -38,10 +38,9 @@ def lora_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta, scaling:
     block_m = _block_m(meta)
     grid = (meta.num_active, triton.cdiv(meta.max_seg_len, block_m), triton.cdiv(width, block_n))
     _shrink_kernel[grid](
-        out, x, lora_a, x if scaling is None else scaling,
-        meta.sorted_token_idx, meta.seg_indptr, meta.seg_adapter_idx, x.shape[1], width,
+        out, x, lora_a, meta.sorted_token_idx, meta.seg_indptr, meta.seg_adapter_idx, x.shape[1], width,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        scaling is not None, block_m, block_n, SHRINK_BLOCK_K, _precision(x),
+        block_m, block_n, SHRINK_BLOCK_K, _precision(x),
     )  # fmt: skip
 
 
@@ -90,10 +89,10 @@ def _slice_bounds(output_slices: tuple[int, ...], device: torch.device) -> Tenso
 
 @triton.jit
 def _shrink_kernel(
-    out_ptr, x_ptr, lora_a_ptr, scaling_ptr, sorted_token_idx_ptr, seg_indptr_ptr, seg_adapter_idx_ptr,
+    out_ptr, x_ptr, lora_a_ptr, sorted_token_idx_ptr, seg_indptr_ptr, seg_adapter_idx_ptr,
     hidden_in, width,
     stride_xt, stride_xh, stride_ot, stride_ow, stride_an, stride_aw, stride_ah,
-    HAS_SCALING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (segment, row tile, column tile): out[tokens, cols] for BLOCK_M of the segment's tokens."""
@@ -116,8 +115,6 @@ def _shrink_kernel(
             x = tl.load(x_ptr + x_offs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
             a = tl.load(a_rows + ks[None, :] * stride_ah, mask=col_valid[:, None] & k_valid[None, :], other=0.0)
             acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)
-        if HAS_SCALING:
-            acc *= tl.load(scaling_ptr + adapter).to(tl.float32)
         out_offs = tokens[:, None] * stride_ot + cols[None, :] * stride_ow
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
 
