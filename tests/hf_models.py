@@ -57,9 +57,20 @@ def make_model(
     return model
 
 
-def make_adapter(hf_model, directory, seed: int, r: int = 8, targets="all-linear") -> str:
-    """A random PEFT LoRA (B != 0) on `hf_model`, saved to `directory`."""
+def make_adapter(
+    hf_model,
+    directory,
+    seed: int = 0,
+    r: int = 8,
+    targets="all-linear",
+    config: LoraConfig | None = None,
+    safe_serialization: bool = True,
+) -> str:
+    """A random PEFT LoRA (B != 0) on `hf_model`, saved to `directory` by peft: rank `r`, alpha 2r on `targets`,
+    or as `config` says (its init_lora_weights set to False); safe_serialization=False writes adapter_model.bin."""
+    config = copy.deepcopy(config) if config is not None else LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets)
+    config.init_lora_weights = False
     torch.manual_seed(seed)
-    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False)
-    get_peft_model(copy.deepcopy(hf_model), config).save_pretrained(str(directory))
+    peft_model = get_peft_model(copy.deepcopy(hf_model), config)
+    peft_model.save_pretrained(str(directory), safe_serialization=safe_serialization)
     return str(directory)

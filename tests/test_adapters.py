@@ -1,20 +1,21 @@
-"""adapters/: real PEFT adapters (get_peft_model + save_pretrained) read through load_lora, and refused when bad."""
+"""adapters/: real PEFT adapters (written by peft through make_adapter) read through load_lora, and refused when bad."""
 
 from __future__ import annotations
 
 import copy
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel
 from peft.tuners.lora import Linear as PeftLoraLinear
 from safetensors.torch import load_file, save_file
 
 from adapters import AdapterError, BaseModelSpec, load_lora
-from tests.hf_models import make_model
+from tests.hf_models import make_adapter, make_model
 
 MAX_RANK = 16
 
@@ -27,14 +28,6 @@ def base(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="module")
 def spec(base):
     return BaseModelSpec.from_hf_config(base.config)
-
-
-def make_adapter(model, directory: Path, seed: int = 0, safe_serialization: bool = True, **lora):
-    """Wraps a copy of `model` in a random LoRA (B != 0) and saves it into `directory`; returns the PeftModel."""
-    torch.manual_seed(seed)
-    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(init_lora_weights=False, **lora)).eval()
-    peft_model.save_pretrained(directory, safe_serialization=safe_serialization)
-    return peft_model
 
 
 def edit_config(directory: Path, **changes) -> None:
@@ -66,25 +59,31 @@ def test_base_spec_shapes(base, spec):
 
 
 CONFIGS = {
-    "r4-qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-    "r8-all-linear": dict(r=8, lora_alpha=8, target_modules="all-linear"),
-    "r16-regex": dict(r=16, lora_alpha=32, target_modules=r".*\.(k_proj|o_proj|down_proj)"),
-    "rslora": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "k_proj", "gate_proj", "up_proj"]),
-    "patterns": dict(
+    "r4-qv": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "r8-all-linear": LoraConfig(r=8, lora_alpha=8, target_modules="all-linear"),
+    "r16-regex": LoraConfig(r=16, lora_alpha=32, target_modules=r".*\.(k_proj|o_proj|down_proj)"),
+    "rslora": LoraConfig(
+        r=8, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "k_proj", "gate_proj", "up_proj"]
+    ),
+    "patterns": LoraConfig(
         r=8,
         lora_alpha=4,
         target_modules=["q_proj", "v_proj", "down_proj"],
         rank_pattern={"v_proj": 4, "layers.1.self_attn.q_proj": 16},
         alpha_pattern={"down_proj": 32, r"layers\.0\.self_attn\.v_proj": 3},
     ),
-    "layers-to-transform": dict(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], layers_to_transform=[1]),
-    "exclude-modules": dict(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=["down_proj", "k_proj"]),
+    "layers-to-transform": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], layers_to_transform=[1]),
+    "exclude-modules": LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=["down_proj", "k_proj"]
+    ),
 }
+QV = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 
 
 @pytest.mark.parametrize("lora", CONFIGS.values(), ids=CONFIGS.keys())
 def test_loaded_weights_reproduce_peft_delta(base, spec, tmp_path, lora):
-    peft_model = make_adapter(base, tmp_path, **lora)
+    make_adapter(base, tmp_path, config=lora)
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path).eval()
     loaded = load_lora(tmp_path, spec, MAX_RANK, name="oracle")
     peft_layers = {
         name: m for name, m in peft_model.named_modules() if isinstance(m, PeftLoraLinear) and "default" in m.lora_A
@@ -114,7 +113,7 @@ def test_loaded_weights_reproduce_peft_delta(base, spec, tmp_path, lora):
 def test_fan_in_fan_out_leaves_lora_weights_untransposed(base, spec, tmp_path):
     """fan_in_fan_out is about the base weight's layout (GPT-2's Conv1D); peft's lora_A / lora_B are nn.Linear
     always, and peft resets the flag for nn.Linear bases. Loaded by peft itself, the adapter gives our delta."""
-    make_adapter(base, tmp_path, r=4, lora_alpha=8, target_modules=["v_proj", "up_proj"])
+    make_adapter(base, tmp_path, r=4, targets=["v_proj", "up_proj"])
     edit_config(tmp_path, fan_in_fan_out=True)
     loaded = load_lora(tmp_path, spec, MAX_RANK)
     peft_model = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path).eval()
@@ -127,9 +126,8 @@ def test_fan_in_fan_out_leaves_lora_weights_untransposed(base, spec, tmp_path):
 
 
 def test_digest_is_content_identity(base, spec, tmp_path):
-    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    make_adapter(base, tmp_path / "a", seed=1, **lora)
-    make_adapter(base, tmp_path / "b", seed=2, **lora)
+    make_adapter(base, tmp_path / "a", seed=1, config=QV)
+    make_adapter(base, tmp_path / "b", seed=2, config=QV)
     shutil.copytree(tmp_path / "a", tmp_path / "copy")
     digest = load_lora(tmp_path / "a", spec, MAX_RANK).digest
     assert digest.startswith("sha256:") and len(digest) == len("sha256:") + 64
@@ -141,7 +139,7 @@ def test_digest_is_content_identity(base, spec, tmp_path):
 
 
 def test_default_infix_in_tensor_names_is_accepted(base, spec, tmp_path):
-    make_adapter(base, tmp_path / "plain", target_modules=["q_proj", "down_proj"])
+    make_adapter(base, tmp_path / "plain", targets=["q_proj", "down_proj"])
     shutil.copytree(tmp_path / "plain", tmp_path / "infix")
     edit_tensors(tmp_path / "infix", lambda ts: {k.replace(".weight", ".default.weight"): v for k, v in ts.items()})
     plain, infix = load_lora(tmp_path / "plain", spec, MAX_RANK), load_lora(tmp_path / "infix", spec, MAX_RANK)
@@ -150,9 +148,8 @@ def test_default_infix_in_tensor_names_is_accepted(base, spec, tmp_path):
 
 
 def test_pickle_weights_need_opt_in_then_equal_safetensors(base, spec, tmp_path):
-    lora = dict(r=8, lora_alpha=16, target_modules=["k_proj", "gate_proj"])
-    make_adapter(base, tmp_path / "st", seed=3, **lora)
-    make_adapter(base, tmp_path / "bin", seed=3, safe_serialization=False, **lora)
+    make_adapter(base, tmp_path / "st", seed=3, targets=["k_proj", "gate_proj"])
+    make_adapter(base, tmp_path / "bin", seed=3, targets=["k_proj", "gate_proj"], safe_serialization=False)
     assert (tmp_path / "bin" / "adapter_model.bin").is_file()
     with pytest.raises(AdapterError, match=r"adapter 'pickled': has only pickle weights \(adapter_model.bin\)"):
         load_lora(tmp_path / "bin", spec, MAX_RANK, name="pickled")
@@ -165,23 +162,20 @@ def test_pickle_weights_need_opt_in_then_equal_safetensors(base, spec, tmp_path)
         assert torch.equal(a, pa) and torch.equal(b, pb) and s == ps
 
 
-QV = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-
-
 def other_base(tokenizer, directory, **overrides):
     return make_model(directory / "other-base", tokenizer, **overrides)
 
 
 def wrong_hidden_size(base, tokenizer, d):
-    make_adapter(other_base(tokenizer, d, hidden_size=96), d, r=4, target_modules=["q_proj"])
+    make_adapter(other_base(tokenizer, d, hidden_size=96), d, r=4, targets=["q_proj"])
 
 
 def extra_layer(base, tokenizer, d):
-    make_adapter(other_base(tokenizer, d, num_hidden_layers=3), d, **QV)
+    make_adapter(other_base(tokenizer, d, num_hidden_layers=3), d, config=QV)
 
 
 def drop_lora_b(base, tokenizer, d):
-    make_adapter(base, d, **QV)
+    make_adapter(base, d, config=QV)
     edit_tensors(
         d,
         lambda ts: {
@@ -191,7 +185,7 @@ def drop_lora_b(base, tokenizer, d):
 
 
 def put_nan(base, tokenizer, d):
-    make_adapter(base, d, **QV)
+    make_adapter(base, d, config=QV)
 
     def edit(ts):
         ts["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"][3, 1] = float("nan")
@@ -201,26 +195,28 @@ def put_nan(base, tokenizer, d):
 
 
 def dora_tensors_only(base, tokenizer, d):
-    make_adapter(base, d, use_dora=True, **QV)
+    make_adapter(base, d, config=replace(QV, use_dora=True))
     edit_config(d, use_dora=False)
 
 
 def truncate(base, tokenizer, d):
-    make_adapter(base, d, **QV)
+    make_adapter(base, d, config=QV)
     path = d / "adapter_model.safetensors"
     path.write_bytes(path.read_bytes()[:-100])
 
 
 def adapter_then(edit):
     def build(base, tokenizer, d):
-        make_adapter(base, d, **QV)
+        make_adapter(base, d, config=QV)
         edit(d)
 
     return build
 
 
-def adapter_with(**lora):
-    return lambda base, tokenizer, d: make_adapter(base, d, **{**QV, **lora})
+def adapter_with(safe_serialization: bool = True, **lora):
+    return lambda base, tokenizer, d: make_adapter(
+        base, d, config=replace(QV, **lora), safe_serialization=safe_serialization
+    )
 
 
 BAD = {

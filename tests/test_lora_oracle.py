@@ -6,13 +6,13 @@ import copy
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel
 
 from adapters.ref import LoRARequest
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from kernels.lora import LoraMeta
-from tests.hf_models import make_model
+from tests.hf_models import make_adapter, make_model
 from tests.test_oracle import our_prompt_logits, prompts
 
 ADAPTERS = {
@@ -26,24 +26,12 @@ ADAPTERS = {
 BASES = ["llama", "qwen2"]
 
 
-def save_adapters(hf_model, directory, seed: int = 1) -> dict[str, str]:
-    paths = {}
-    for i, (name, config) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(seed + i)
-        config = copy.deepcopy(config)
-        config.init_lora_weights = False  # B != 0: every adapter really changes the output
-        peft_model = get_peft_model(copy.deepcopy(hf_model), config)
-        paths[name] = str(directory / name)
-        peft_model.save_pretrained(paths[name])
-    return paths
-
-
 @pytest.fixture(scope="module", params=BASES)
 def setup(request, tmp_path_factory, tokenizer):
     directory = tmp_path_factory.mktemp(f"lora-{request.param}")
     hf = make_model(directory / "base", tokenizer, request.param)
     hf.generation_config.eos_token_id = None
-    paths = save_adapters(hf, directory)
+    paths = {name: make_adapter(hf, directory / name, 1 + i, config=c) for i, (name, c) in enumerate(ADAPTERS.items())}
     peft_model = PeftModel.from_pretrained(copy.deepcopy(hf), paths["r4-qv"], adapter_name="r4-qv")
     for name in list(ADAPTERS)[1:]:
         peft_model.load_adapter(paths[name], adapter_name=name)
