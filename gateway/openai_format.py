@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 
@@ -23,18 +24,60 @@ def now() -> int:
     return int(time.time())
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character that stands for each byte in a token's piece."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
 class TokenText:
-    """Token id -> its text, for logprobs (cached: the same ids recur)."""
+    """Token id -> its text and its bytes, for logprobs (cached: the same ids recur). A token that is only part of
+    a UTF-8 character (byte-level vocabularies have many) is written as OpenAI does, `bytes:\\xe2\\x80`, so that
+    two such tokens never show as the same text."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
+        self._cache: dict[int, tuple[str, bytes, str]] = {}  # id -> (shown text, bytes, decoded text)
 
     def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._cache[token_id] = self.tokenizer.decode([token_id])
-        return text
+        return self._entry(token_id)[0]
+
+    def decoded(self, token_id: int) -> str:
+        return self._entry(token_id)[2]
+
+    def lookup(self, token_id: int) -> tuple[str, bytes]:
+        return self._entry(token_id)[:2]
+
+    def _entry(self, token_id: int) -> tuple[str, bytes, str]:
+        entry = self._cache.get(token_id)
+        if entry is None:
+            decoded = self.tokenizer.decode([token_id])
+            raw = self._raw_bytes(token_id, decoded)
+            text = decoded
+            if "\ufffd" in decoded and raw.decode("utf-8", errors="replace") != raw.decode("utf-8", errors="ignore"):
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            entry = self._cache[token_id] = (text, raw, decoded)
+        return entry
+
+    def _raw_bytes(self, token_id: int, text: str) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if match := _BYTE_PIECE.fullmatch(piece):
+                return bytes([int(match.group(1), 16)])
+            if piece and all(c in _BYTE_LEVEL for c in piece):
+                return bytes(_BYTE_LEVEL[c] for c in piece)
+        return text.encode()
 
 
 def completion_logprobs(logprobs: list[TokenLogprob], token_text: TokenText, text_offset: int = 0) -> dict:
@@ -43,12 +86,13 @@ def completion_logprobs(logprobs: list[TokenLogprob], token_text: TokenText, tex
     for lp in logprobs:
         text = token_text(lp.token_id)
         tokens.append(text)
+        decoded = token_text.decoded(lp.token_id)
         token_logprobs.append(lp.logprob)
         tops = {token_text(t): v for t, v in (lp.top_logprobs or {}).items()}
         tops.setdefault(text, lp.logprob)
         top.append(tops)
         offsets.append(text_offset)
-        text_offset += len(text)
+        text_offset += len(decoded)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
@@ -56,8 +100,8 @@ def chat_logprobs(logprobs: list[TokenLogprob], token_text: TokenText) -> dict:
     """The chat layout: one entry per token with its top alternatives."""
 
     def entry(token_id: int, logprob: float) -> dict:
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        text, raw = token_text.lookup(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     content = []
     for lp in logprobs:

@@ -134,3 +134,17 @@ def test_a_model_without_a_chat_template_gets_a_clear_400(tiny):
         httpx.Client(base_url=server.url, timeout=60) as http,
     ):
         assert http.post("/v1/chat/completions", json={**CHAT, "model": BASE}).status_code == 200
+
+
+def test_a_partial_utf8_token_shows_as_bytes_in_logprobs(tokenizer):
+    """OpenAI's convention: a token that is only part of a character is `bytes:\\xNN`, never a bare U+FFFD, so two
+    such tokens stay two entries of `top_logprobs`; the chat layout gives the token's own bytes."""
+    from gateway.openai_format import TokenText
+
+    text = TokenText(tokenizer)
+    ids = tokenizer.encode("東 é", add_special_tokens=False)
+    partial = [i for i in ids if text(i).startswith("bytes:")]
+    assert len(partial) >= 2 and len({text(i) for i in partial}) == len(set(partial))
+    assert b"".join(text.lookup(i)[1] for i in ids) == "東 é".encode()
+    assert all("\ufffd" not in text(i) for i in ids)
+    assert text(tokenizer.encode(" the", add_special_tokens=False)[0]) == " the"
