@@ -26,6 +26,13 @@ class AdapterRoots:
         if not any(resolved.is_relative_to(root) for root in self.roots):
             allowed = ", ".join(str(r) for r in self.roots) or "none configured: start the server with --adapter-root"
             raise APIError(422, f"adapter path {path!r} is outside the allowed adapter roots ({allowed})", param=param)
+        if resolved.is_file() and resolved.suffix == ".gguf":
+            raise APIError(
+                422,
+                f"adapter path {path!r} is a GGUF file: adapters are served in PEFT format, a directory with "
+                "adapter_config.json and adapter_model.safetensors (GGUF is for the base model, --model)",
+                param=param,
+            )
         if not resolved.is_dir():
             raise APIError(422, f"adapter path {path!r} is not a directory", param=param)
         return resolved

@@ -20,6 +20,8 @@ def _generate(args: argparse.Namespace) -> None:
         demo = build_demo()
         model, demo_adapters = str(demo.model), demo.adapters
         args.prompt = args.prompt or HELD_OUT_PROMPTS[:3]
+    else:
+        _check_model(model, "generate")
     lora = _lora_request(args.lora, demo_adapters) if args.lora else None
     options = {"enable_lora": True, "max_lora_rank": args.max_lora_rank} if lora else {}
     llm = LLM(model=model, dtype=args.dtype, device=args.device, **options)
@@ -88,7 +90,20 @@ def _serve(args: argparse.Namespace) -> None:
     from gateway.server import serve
 
     settings = _settings(args)
+    if settings.model is not None:
+        _check_model(settings.model, "serve")
     serve(with_demo(settings) if settings.model is None else settings)
+
+
+def _check_model(model: str, command: str) -> None:
+    """A model that cannot be served (missing, truncated, an unsupported architecture or tensor type) fails here,
+    in one line naming the problem and with exit status 1, before anything starts."""
+    from engine.model_loader import load_arch
+
+    try:
+        load_arch(model)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"loraplex {command}: {e}") from None
 
 
 def with_demo(settings):

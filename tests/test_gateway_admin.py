@@ -151,6 +151,10 @@ def test_paths_outside_the_allowed_roots_are_refused(http, tiny, tmp_path):
         assert_openai_error(response, 422, "path", "outside the allowed adapter roots")
     missing = http.post("/admin/adapters", headers=ADMIN, json={"name": "gone", "path": str(root / "adapters" / "x")})
     assert_openai_error(missing, 422, "path", "not a directory")
+    gguf = root / "adapters" / "lora.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
+    as_gguf = http.post("/admin/adapters", headers=ADMIN, json={"name": "gguf", "path": str(gguf)})
+    assert_openai_error(as_gguf, 422, "path", "is a GGUF file")
     assert_openai_error(http.post("/admin/adapters", headers=ADMIN, json={"name": "a b", "path": "x"}), 422, "name")
     unknown_owner = {"name": "owned", "path": adapters["extra"], "owner": "nobody"}
     assert_openai_error(http.post("/admin/adapters", headers=ADMIN, json=unknown_owner), 422, "owner")

@@ -4,6 +4,8 @@ weights), the tokenizer and chat template of a real model, and a clear error for
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -193,3 +195,33 @@ def test_unsupported_tensor_type_is_named(wide, tokenizer, tmp_path):
     path = write_gguf(tmp_path / "iq2.gguf", wide, tokenizer, Q.Q8_0, raw={"blk.1.attn_q.weight": (iq2, Q.IQ2_XXS)})
     with pytest.raises(UnsupportedModelError, match=r"'blk\.1\.attn_q\.weight' in .*iq2\.gguf has type IQ2_XXS"):
         engine(path)
+
+
+def test_the_commands_refuse_a_bad_gguf_in_one_line_with_a_nonzero_exit(tiny, wide, tokenizer, tmp_path):
+    """`loraplex serve` / `generate` on a truncated file, another architecture and an unsupported tensor type: exit
+    status 1, the problem named, no traceback, nothing started."""
+    whole = write_gguf(tmp_path / "whole.gguf", tiny, tokenizer)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    iq2 = np.zeros((256, 66), dtype=np.uint8)
+    iq2_path = write_gguf(tmp_path / "iq2.gguf", wide, tokenizer, Q.Q8_0, raw={"blk.1.attn_q.weight": (iq2, Q.IQ2_XXS)})
+    writer = GGUFWriter(str(tmp_path / "mamba.gguf"), "mamba")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    cases = [
+        ("serve", cut, "truncated"),
+        ("serve", iq2_path, "has type IQ2_XXS"),
+        ("generate", tmp_path / "mamba.gguf", "'mamba'"),
+    ]
+    for command, path, problem in cases:
+        args = ["--port", "0", "--database-url", f"sqlite:///{tmp_path / 'r.db'}"] if command == "serve" else []
+        done = subprocess.run(
+            [sys.executable, "-m", "loraplex.cli", command, "--model", str(path), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 1, done.stderr
+        assert problem in done.stderr and path.name in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -77,7 +77,7 @@ def train_adapter(base_model, tokenizer, behaviour: Behaviour, recipe: Recipe, o
             optimizer.step()
             bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
-    model.save_pretrained(str(out_dir))
+    model.save_pretrained(str(out_dir), save_embedding_layers=False)  # no hub lookup: the vocabulary is unchanged
     model.unload()
 
 
