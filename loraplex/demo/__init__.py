@@ -80,8 +80,6 @@ def build_demo() -> Demo:
 
 
 def _train_all(gguf: Path, directory: Path) -> None:
-    import torch
-
     from engine.gguf_reader import read_gguf
     from loraplex.demo.train import train_adapter
 
@@ -92,7 +90,6 @@ def _train_all(gguf: Path, directory: Path) -> None:
     checkpoint = read_gguf(gguf)
     base = _hf_model(checkpoint)
     base.name_or_path = DEMO_MODEL_NAME  # recorded as the adapters' base_model_name_or_path
-    torch.set_num_threads(os.cpu_count() or 1)  # nothing else runs yet
     for name, behaviour in BEHAVIOURS.items():
         train_adapter(base, checkpoint.tokenizer, behaviour, RECIPE, tmp / name, desc=f"training adapter '{name}'")
     shutil.rmtree(directory, ignore_errors=True)
