@@ -127,7 +127,14 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         hf_model = build_model(Path(tmp))
         # no prefix caching: repeated runs of the same prompts must not get cheaper
-        llm = LLM(model=tmp, dtype="float32", device="cpu", max_num_seqs=args.num_prompts, enable_prefix_caching=False)
+        llm = LLM(
+            model=tmp,
+            dtype="float32",
+            device="cpu",
+            cpu_threads=args.threads,
+            max_num_seqs=args.num_prompts,
+            enable_prefix_caching=False,
+        )
         run_loraplex(llm, workload("fixed", 4, seed=99), 4)  # warm-up
         for name in args.workloads.split(","):
             prompts = workload(name, args.num_prompts)

@@ -108,7 +108,7 @@ def given_model_runs(args: argparse.Namespace, prompts: list[list[int]]) -> dict
     loras = [LoRARequest(*spec.split("=", 1)) for spec in args.lora]
     rng = random.Random(0)
     mixed = [rng.choice(loras) for _ in prompts]
-    common = dict(device="cpu", max_num_seqs=args.num_prompts, enable_prefix_caching=False)
+    common = dict(device="cpu", cpu_threads=args.threads, max_num_seqs=args.num_prompts, enable_prefix_caching=False)
     llm = LLM(model=args.model, enable_lora=True, max_loras=len(loras), max_lora_rank=args.rank, **common)
     time_loraplex(llm, prompts[:4], 4, mixed[:4])  # warm-up
     runs: dict[str, list[float]] = defaultdict(list)
@@ -127,7 +127,13 @@ def random_model_runs(args: argparse.Namespace, prompts: list[list[int]]) -> dic
         k8 = [rng.choice(loras[:8]) for _ in prompts]
         k128 = [rng.choice(loras) for _ in prompts]
         base = str(Path(tmp) / "base")
-        common = dict(dtype="float32", device="cpu", max_num_seqs=args.num_prompts, enable_prefix_caching=False)
+        common = dict(
+            dtype="float32",
+            device="cpu",
+            cpu_threads=args.threads,
+            max_num_seqs=args.num_prompts,
+            enable_prefix_caching=False,
+        )
         llm = LLM(model=base, enable_lora=True, max_loras=8, max_lora_rank=args.rank, max_cpu_loras=32, **common)
         time_loraplex(llm, prompts[:4], 4, k8[:4])  # warm-up
         for _ in range(args.repeat):  # interleaved, so a noisy neighbour hits both alike

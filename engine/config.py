@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ class EngineConfig:
     allow_pickle_adapters: bool = False  # adapter_model.bin, loaded with weights_only=True
     lora_backend: str = "auto"  # "torch" | "triton" | "auto" (triton on CUDA)
     seed: int = 0
+    cpu_threads: int | None = None  # CPU: torch threads; None: every core but one (left to the server, tokenizer)
 
     def __post_init__(self) -> None:
         if not (Path(self.model).is_dir() or (str(self.model).endswith(".gguf") and Path(self.model).is_file())):
@@ -39,6 +41,10 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device '{self.device}' requested but CUDA is not available")
+        if self.cpu_threads is None:
+            self.cpu_threads = max(1, (os.cpu_count() or 1) - 1)
+        if self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be positive, got {self.cpu_threads}")
         if self.dtype == "auto":
             self.dtype = "float32" if self.device == "cpu" else "bfloat16"
         if self.dtype not in DTYPES:

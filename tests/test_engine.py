@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
@@ -248,3 +249,20 @@ def test_half_precision_runs_close_to_fp32(model_dir, llm, dtype):
     assert (got - expected).abs().max() < 0.1 * expected.abs().max()
     [out] = half.generate([prompt], GREEDY)
     assert len(out.outputs[0].token_ids) == 24
+
+
+def test_the_cpu_engine_keeps_one_core_free_unless_told(model_dir, monkeypatch):
+    """A busy 2-core box must not stall the engine's OpenMP team: by default it takes every core but one."""
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr("os.cpu_count", lambda: 4)
+        LLM(model=str(model_dir), device="cpu", num_kv_blocks=8)
+        assert torch.get_num_threads() == 3
+        monkeypatch.setattr("os.cpu_count", lambda: 2)
+        assert EngineConfig(model=str(model_dir), device="cpu").cpu_threads == 1
+        LLM(model=str(model_dir), device="cpu", num_kv_blocks=8, cpu_threads=2)
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ValueError, match="cpu_threads"):
+            EngineConfig(model=str(model_dir), cpu_threads=0)
+    finally:
+        torch.set_num_threads(before)
