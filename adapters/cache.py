@@ -98,7 +98,7 @@ class AdapterCache:
     def read(self, lora: LoRARequest) -> HostAdapter:
         """Reads and validates the adapter from disk (raising AdapterError); changes nothing. See `store`."""
         start = time.perf_counter()
-        weights = load_lora(lora.path, self.spec, self.max_lora_rank, self.allow_pickle, name=lora.name)
+        weights = load_lora(lora.path, self.spec, self.max_lora_rank, self.allow_pickle, name=lora.adapter_id)
         rows = {
             (layer, name): self._padded_rows(weights, layer, modules)
             for layer in range(self.spec.num_layers)
@@ -137,7 +137,7 @@ class AdapterCache:
             self.stats.load_seconds += host.load_seconds
         logger.info(
             "adapter '%s' loaded to host memory in %.0f ms (rank %d, %s)",
-            lora.name,
+            lora.adapter_id,
             host.load_seconds * 1e3,
             host.weights.rank,
             host.weights.digest[:19],
@@ -176,9 +176,9 @@ class AdapterCache:
                 self._failed[lora.key] = e
                 self.stats.failures += 1
         except Exception as e:  # an unexpected failure must not leave requests waiting forever
-            logger.exception("loading adapter '%s' failed", lora.name)
+            logger.exception("loading adapter '%s' failed", lora.adapter_id)
             with self._lock:
-                self._failed[lora.key] = AdapterError(f"adapter '{lora.name}': {e}")
+                self._failed[lora.key] = AdapterError(f"adapter '{lora.adapter_id}': {e}")
                 self.stats.failures += 1
         finally:
             with self._lock:

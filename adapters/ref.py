@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class LoRARequest:
-    name: str  # the adapter_id: a registry name@version, or any name the caller picks offline
+    adapter_id: str  # a registry name@version, or any name the caller picks offline
     path: str  # the PEFT directory (adapter_config.json + adapter_model.safetensors)
 
     @property
     def key(self) -> tuple[str, str]:
-        """What the adapter cache keys on: the same name with another path is another adapter."""
-        return self.name, self.path
+        """What the adapter cache keys on: the same adapter_id with another path is another adapter."""
+        return self.adapter_id, self.path

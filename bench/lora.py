@@ -149,10 +149,10 @@ def random_model_runs(args: argparse.Namespace, prompts: list[list[int]]) -> dic
         if not args.skip_peft:
             from peft import PeftModel
 
-            peft_model = PeftModel.from_pretrained(hf_model, loras[0].path, adapter_name=loras[0].name).eval()
+            peft_model = PeftModel.from_pretrained(hf_model, loras[0].path, adapter_name=loras[0].adapter_id).eval()
             for lora in loras[1:8]:
-                peft_model.load_adapter(lora.path, adapter_name=lora.name)
-            names = [lora.name for lora in k8]
+                peft_model.load_adapter(lora.path, adapter_name=lora.adapter_id)
+            names = [lora.adapter_id for lora in k8]
             for _ in range(args.repeat):
                 runs["peft K=8 mixed batch (adapter_names)"].append(
                     time_peft(peft_model, prompts, args.output_len, names, False)

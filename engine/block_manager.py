@@ -19,9 +19,9 @@ if TYPE_CHECKING:
     from engine.sequence import Sequence
 
 
-def first_link(adapter_key: str | None) -> bytes:
+def first_link(adapter_digest: str | None) -> bytes:
     """h_0 of a chain: the adapter's content digest, or a distinct tag for the base model alone."""
-    tag = b"base" if adapter_key is None else b"adapter:" + adapter_key.encode()
+    tag = b"base" if adapter_digest is None else b"adapter:" + adapter_digest.encode()
     return hashlib.sha256(b"loraplex-prefix\0" + tag).digest()
 
 
@@ -51,7 +51,7 @@ class BlockManager:
     def _chain(self, seq: Sequence, upto_blocks: int) -> list[bytes]:
         """Hashes of the seq's first `upto_blocks` full blocks (reusing those already computed)."""
         hashes = seq.block_hashes[:upto_blocks]
-        parent = hashes[-1] if hashes else first_link(seq.adapter_key)
+        parent = hashes[-1] if hashes else first_link(seq.adapter_digest)
         bs = self.block_size
         for j in range(len(hashes), upto_blocks):
             parent = next_link(parent, seq.token_ids[j * bs : (j + 1) * bs])

@@ -27,7 +27,7 @@ Tier = Literal["device", "host", "loading", "failed", "disk"]  # where an adapte
 class AdapterInfo:
     """What reading and validating an adapter found (the registry stores most of it)."""
 
-    adapter_id: str  # LoRARequest.name: the registry's name@version
+    adapter_id: str  # LoRARequest.adapter_id: the registry's name@version
     path: str
     digest: str  # "sha256:<hex>" of the weights: the adapter's content identity
     rank: int  # the largest rank over its modules

@@ -104,7 +104,9 @@ class LLMEngine:
     def validate(self, request: EngineRequest) -> None:
         """Raises ValueError naming what is wrong with the request; changes nothing."""
         if request.lora is not None and self.adapter_cache is None:
-            raise ValueError(f"adapter '{request.lora.name}' requested but LoRA is not enabled (enable_lora=True)")
+            raise ValueError(
+                f"adapter '{request.lora.adapter_id}' requested but LoRA is not enabled (enable_lora=True)"
+            )
         if request.request_id in self.groups:
             raise ValueError(f"request id '{request.request_id}' is already in use")
         num_prompt = len(request.prompt_token_ids)

@@ -14,6 +14,6 @@ class EngineRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     lora: LoRARequest | None = None  # None: the base model alone
-    adapter_key: str | None = None  # keys the prefix cache; the engine sets it to the adapter's content digest
+    adapter_digest: str | None = None  # keys the prefix cache; the engine sets it to the adapter's content digest
     tenant: str | None = None
     prompt: str | None = None  # the text the ids came from, when there was one

@@ -182,7 +182,7 @@ class Scheduler:
         if row is None:
             return "no_row" if self.adapter_cache.on_host(group.lora) else "loading"
         group.adapter_idx = row
-        group.adapter_key = self.adapter_cache.digest(group.lora)  # the prefix cache's key: content, not name
+        group.adapter_digest = self.adapter_cache.digest(group.lora)  # the prefix cache's key: content, not name
         return "ok"
 
     def _batch(self, picked: dict[int, int], copies: list[tuple[int, int]], preempted: int) -> ScheduledBatch:

@@ -59,8 +59,8 @@ class Sequence:
         return self.group.params
 
     @property
-    def adapter_key(self) -> str | None:
-        return self.group.adapter_key
+    def adapter_digest(self) -> str | None:
+        return self.group.adapter_digest
 
     @property
     def adapter_idx(self) -> int:
@@ -103,7 +103,7 @@ class SequenceGroup:
         self.prompt_token_ids = list(request.prompt_token_ids)
         self.params = request.sampling
         self.lora = request.lora
-        self.adapter_key = request.adapter_key  # set to the adapter's digest once it is loaded
+        self.adapter_digest = request.adapter_digest  # set to the adapter's digest once it is loaded
         # the device row of its adapter, pinned ONCE for all its sequences (forks share it) from the first
         # admission until the request finishes or is aborted, so one request always runs on one adapter version
         self.adapter_idx = NO_ADAPTER

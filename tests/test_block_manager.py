@@ -15,11 +15,11 @@ _arrivals = iter(range(10**6))
 
 
 def make_seq(
-    token_ids: list[int], adapter_key: str | None = None, lora: LoRARequest | None = None, n: int = 1
+    token_ids: list[int], adapter_digest: str | None = None, lora: LoRARequest | None = None, n: int = 1
 ) -> Sequence:
     """A request's first sequence (its group holds the request: adapter, n samples)."""
     arrival = next(_arrivals)
-    request = EngineRequest(f"r{arrival}", token_ids, SamplingParams(n=n), lora=lora, adapter_key=adapter_key)
+    request = EngineRequest(f"r{arrival}", token_ids, SamplingParams(n=n), lora=lora, adapter_digest=adapter_digest)
     group = SequenceGroup(request, arrival)
     seq = Sequence(group, 0, list(token_ids), detokenizer=None)
     group.seqs.append(seq)
@@ -58,11 +58,11 @@ def test_prefix_hits_full_blocks_only_and_leaves_a_token_to_compute():
     assert len(bm.find_cached_prefix(exact)) == 1
 
 
-def test_adapter_key_separates_the_prefix_cache():
+def test_adapter_digest_separates_the_prefix_cache():
     bm = BlockManager(num_blocks=16, block_size=4)
-    allocate_all(bm, make_seq(list(range(12)), adapter_key=None))
-    assert bm.find_cached_prefix(make_seq(list(range(12)), adapter_key="sha256:a")) == []
-    assert len(bm.find_cached_prefix(make_seq(list(range(12)), adapter_key=None))) == 2
+    allocate_all(bm, make_seq(list(range(12)), adapter_digest=None))
+    assert bm.find_cached_prefix(make_seq(list(range(12)), adapter_digest="sha256:a")) == []
+    assert len(bm.find_cached_prefix(make_seq(list(range(12)), adapter_digest=None))) == 2
 
 
 def test_cached_free_blocks_are_evicted_oldest_first_when_space_is_needed():
@@ -129,7 +129,7 @@ def test_block_keys_are_a_sha256_chain_over_packed_token_ids_and_the_adapter_dig
 def test_a_python_hash_collision_no_longer_shares_kv():
     assert hash(-1) == hash(-2)  # CPython: under the old hash((parent, tokens)) chain these blocks had one key
     bm = BlockManager(num_blocks=16, block_size=4)
-    allocate_all(bm, make_seq([5, 6, 7, -1, 8], adapter_key="sha256:a"))
-    assert bm.find_cached_prefix(make_seq([5, 6, 7, -2, 8], adapter_key="sha256:a")) == []
-    assert bm.find_cached_prefix(make_seq([5, 6, 7, -1, 9], adapter_key="sha256:b")) == []
-    assert len(bm.find_cached_prefix(make_seq([5, 6, 7, -1, 9], adapter_key="sha256:a"))) == 1  # same prefix: a hit
+    allocate_all(bm, make_seq([5, 6, 7, -1, 8], adapter_digest="sha256:a"))
+    assert bm.find_cached_prefix(make_seq([5, 6, 7, -2, 8], adapter_digest="sha256:a")) == []
+    assert bm.find_cached_prefix(make_seq([5, 6, 7, -1, 9], adapter_digest="sha256:b")) == []
+    assert len(bm.find_cached_prefix(make_seq([5, 6, 7, -1, 9], adapter_digest="sha256:a"))) == 1  # same prefix: a hit

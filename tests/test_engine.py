@@ -97,15 +97,15 @@ def test_prefix_cache_hit_computes_fewer_tokens_and_same_output(model_dir):
     assert_no_leaks(llm)
 
 
-def test_prefix_cache_never_hits_across_adapter_keys(model_dir):
+def test_prefix_cache_never_hits_across_adapter_digests(model_dir):
     llm = make_llm(model_dir)
     engine = llm.engine
     prefix = prompts(engine.runner.arch.vocab_size, 16, seed=3)[13]
-    engine.add_request(EngineRequest("base", [*prefix, 5], GREEDY, adapter_key=None))
+    engine.add_request(EngineRequest("base", [*prefix, 5], GREEDY, adapter_digest=None))
     while engine.has_unfinished:
         engine.step()
     before = engine.stats.num_prompt_tokens_computed
-    engine.add_request(EngineRequest("other", [*prefix, 5], GREEDY, adapter_key="sha256:other"))
+    engine.add_request(EngineRequest("other", [*prefix, 5], GREEDY, adapter_digest="sha256:other"))
     outputs = []
     while engine.has_unfinished:
         outputs += engine.step()

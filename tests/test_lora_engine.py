@@ -64,7 +64,7 @@ def test_more_adapters_than_rows_all_complete_unchanged_and_never_evict_a_pinned
     assert cache.stats.device_evictions > 0 and cache.stats.host_evictions > 0
     steps = tight.engine.stats.num_steps
     assert steps <= len(batch) * (GREEDY.max_tokens + 2)  # bounded: rows rotate, nobody waits forever
-    adapter_of = {str(i): per_prompt[i].name for i in range(len(batch))}  # the LLM numbers requests 0, 1, ...
+    adapter_of = {str(i): per_prompt[i].adapter_id for i in range(len(batch))}  # the LLM numbers requests 0, 1, ...
     assert max(len({adapter_of[rid] for rid, _ in r.scheduled}) for r in tight.engine.step_trace) <= 2
     assert_idle(tight)
 
@@ -135,7 +135,7 @@ def test_async_cold_adapter_loads_while_others_run_and_a_bad_one_fails_alone(mod
     read = cache.read
 
     def slow_read(lora):
-        if lora.name == "slow":
+        if lora.adapter_id == "slow":
             assert gate.wait(30)
         return read(lora)
 

@@ -98,14 +98,14 @@ def test_never_more_than_max_loras_adapters_in_a_step_and_every_adapter_gets_its
     ran: set[str] = set()
     for _ in range(100):
         batch = run_step(scheduler)
-        adapters = {seq.group.lora.name for seq in batch.seqs}
+        adapters = {seq.group.lora.adapter_id for seq in batch.seqs}
         assert len(adapters) <= 2 and len({seq.adapter_idx for seq in batch.seqs}) == len(adapters)
         ran |= adapters
         finish_after(scheduler, 3)
         if not scheduler.has_unfinished:
             break
     assert all(seq.is_finished and seq.num_output_tokens == 3 for seq in seqs)
-    assert ran == {lora.name for lora in loras}
+    assert ran == {lora.adapter_id for lora in loras}
     assert_idle(scheduler)
 
 
