@@ -23,7 +23,15 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING, TypeVar
 
-from engine.interface import AdapterInfo, EngineConfig, EngineRequest, EngineSnapshot, LoRARequest, RequestOutput, Tier
+from engine.interface_types import (
+    AdapterInfo,
+    EngineConfig,
+    EngineRequest,
+    EngineSnapshot,
+    LoRARequest,
+    RequestOutput,
+    Tier,
+)
 from engine.llm_engine import LLMEngine
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.gguf_reader import is_gguf, read_gguf
-from engine.interface import AdapterInfo, EngineSnapshot, Tier
+from engine.interface_types import AdapterInfo, EngineSnapshot, Tier
 from engine.model_loader import load_tokenizer
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob

@@ -13,8 +13,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.async_engine import AsyncEngine
-from engine.interface import AdapterError, AdapterInfo, LoRARequest, Tier
+from engine.interface import AdapterError, AdapterInfo, AsyncEngine, LoRARequest, Tier
 from gateway.adapter_roots import AdapterRoots
 from gateway.errors import APIError, model_not_found
 from registry.adapters import ALL_TENANTS, AdapterExists, AdapterRegistry, check_name, split_adapter_id

@@ -10,8 +10,7 @@ from collections.abc import Iterator
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.async_engine import AsyncEngine
-from engine.interface import EngineSnapshot
+from engine.interface import AsyncEngine, EngineSnapshot
 
 logger = logging.getLogger(__name__)
 SNAPSHOT_TIMEOUT_S = 2.0  # past this (a very long step) the scrape shows the previous snapshot

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from engine.async_engine import AsyncEngine
-from engine.interface import AdapterError, EngineRequest, RequestOutput
+from engine.interface import AdapterError, AsyncEngine, EngineRequest, RequestOutput
 from gateway.errors import APIError
 from gateway.metrics import Latency, RequestMetrics
 

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from engine.async_engine import AsyncEngine
-from engine.interface import CompletionOutput, EngineRequest, RequestOutput, SamplingParams
+from engine.interface import AsyncEngine, CompletionOutput, EngineRequest, RequestOutput, SamplingParams
 from gateway.accounting import Ticket
 from gateway.adapter_service import AdapterService, ModelChoice
 from gateway.chat_templates import ChatTemplates
