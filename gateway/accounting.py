@@ -13,13 +13,11 @@ import logging
 import time
 import uuid
 
-from sqlalchemy.ext.asyncio import async_sessionmaker
-
 from gateway.errors import APIError
 from gateway.generation import Usage
 from gateway.limits import LimitExceeded, LimitsUnavailable, RateLimiter, TenantLimits
 from gateway.usage import UsageRecord, UsageStore
-from registry.models import Tenant
+from registry.tenants import TenantRepository
 
 logger = logging.getLogger(__name__)
 LIMITS_CACHE_S = 2.0  # a tenant's limits are re-read from the registry at most this often
@@ -49,16 +47,15 @@ class Ticket:
 
 
 class Accounting:
-    def __init__(self, sessions: async_sessionmaker, store: UsageStore, limiter: RateLimiter):
-        self.sessions, self.store, self.limiter = sessions, store, limiter
+    def __init__(self, tenants: TenantRepository, store: UsageStore, limiter: RateLimiter):
+        self.tenants, self.store, self.limiter = tenants, store, limiter
         self._limits: dict[str, tuple[float, TenantLimits]] = {}
 
     async def limits_of(self, tenant: str) -> TenantLimits:
         cached = self._limits.get(tenant)
         if cached is not None and time.monotonic() - cached[0] < LIMITS_CACHE_S:
             return cached[1]
-        async with self.sessions() as session:
-            row = await session.get(Tenant, tenant)
+        row = await self.tenants.get(tenant)
         limits = TenantLimits.of(row) if row is not None else TenantLimits()
         self._limits[tenant] = (time.monotonic(), limits)
         return limits

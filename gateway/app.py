@@ -31,7 +31,7 @@ from gateway.settings import ServeSettings
 from gateway.state import GatewayState
 from gateway.usage import UsageFlusher, make_usage_store
 from registry import db
-from registry.adapters import AdapterRegistry
+from registry.database import RegistryDatabase
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +67,10 @@ def _model_and_modules(settings: ServeSettings) -> tuple[str, str, list[tuple[st
 async def start(settings: ServeSettings) -> GatewayState:
     model_dir, base_model, modules = await asyncio.to_thread(_model_and_modules, settings)
     await asyncio.to_thread(db.upgrade, settings.database_url)
-    database = db.create_engine(settings.database_url)
-    sessions = db.sessionmaker(database)
+    database = RegistryDatabase(settings.database_url)
     logger.info("loading %s", model_dir)
     engine = await asyncio.to_thread(AsyncEngine.from_config, engine_config(settings, model_dir))
-    registry = AdapterRegistry(sessions)
-    adapters = AdapterService(registry, engine, AdapterRoots(settings.adapter_root), base_model)
+    adapters = AdapterService(database.adapters, engine, AdapterRoots(settings.adapter_root), base_model)
     for name, path in tqdm(modules, desc="registering adapters", unit="adapter", disable=not modules):
         adapter = await adapters.ensure_registered(name, path)
         logger.info("adapter '%s' ready (%s)", adapter.adapter_id, adapter.path)
@@ -82,7 +80,7 @@ async def start(settings: ServeSettings) -> GatewayState:
     limiter = make_rate_limiter(
         settings.redis_url, fail_open=settings.limits_fail_open, key_prefix=settings.redis_key_prefix
     )
-    flusher = UsageFlusher(store, sessions, interval_s=settings.usage_flush_interval)
+    flusher = UsageFlusher(store, database.usage, interval_s=settings.usage_flush_interval)
     flusher.start()
     state = GatewayState(
         settings=settings,
@@ -90,12 +88,10 @@ async def start(settings: ServeSettings) -> GatewayState:
         model_dir=model_dir,
         engine=engine,
         database=database,
-        sessions=sessions,
-        registry=registry,
         adapters=adapters,
         serving=serving,
         auth_enabled=settings.auth_enabled,
-        accounting=Accounting(sessions, store, limiter),
+        accounting=Accounting(database.tenants, store, limiter),
         usage_flusher=flusher,
         metrics=gateway_metrics,
     )
@@ -114,7 +110,7 @@ async def stop(state: GatewayState) -> None:
     await state.usage_flusher.close()
     await state.accounting.close()
     await asyncio.to_thread(state.engine.shutdown)
-    await state.database.dispose()
+    await state.database.close()
     logger.info("loraplex stopped")
 
 

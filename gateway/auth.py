@@ -12,11 +12,9 @@ import secrets
 from typing import Annotated
 
 from fastapi import Depends, Request
-from sqlalchemy import select
 
 from gateway.errors import APIError
 from gateway.state import StateDep
-from registry.models import ApiKey
 
 KEY_PREFIX = "lpx-"
 
@@ -54,10 +52,7 @@ async def current_tenant(request: Request, state: StateDep) -> str | None:
     if token is None:
         raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
     digest = hash_key(token)
-    async with state.sessions() as session:
-        key = (
-            await session.scalars(select(ApiKey).where(ApiKey.key_hash == digest, ApiKey.revoked_at.is_(None)))
-        ).first()
+    key = await state.database.api_keys.active(digest)
     if key is None or not hmac.compare_digest(key.key_hash, digest):
         raise APIError(401, "invalid API key", code="invalid_api_key")
     return key.tenant

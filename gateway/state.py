@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
-from sqlalchemy.ext.asyncio import AsyncEngine as DatabaseEngine
-from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from engine.async_engine import AsyncEngine
 from gateway.accounting import Accounting
@@ -19,6 +17,7 @@ from gateway.openai_serving import OpenAIServing
 from gateway.settings import ServeSettings
 from gateway.usage import UsageFlusher
 from registry.adapters import AdapterRegistry
+from registry.database import RegistryDatabase
 
 
 @dataclass
@@ -27,9 +26,7 @@ class GatewayState:
     base_model: str  # the name clients use for the base
     model_dir: str
     engine: AsyncEngine
-    database: DatabaseEngine
-    sessions: async_sessionmaker
-    registry: AdapterRegistry
+    database: RegistryDatabase  # every table's repository
     adapters: AdapterService
     serving: OpenAIServing
     auth_enabled: bool
@@ -37,6 +34,10 @@ class GatewayState:
     usage_flusher: UsageFlusher
     metrics: GatewayMetrics
     started_at: float = field(default_factory=time.time)
+
+    @property
+    def registry(self) -> AdapterRegistry:
+        return self.database.adapters
 
 
 def get_state(request: Request) -> GatewayState:

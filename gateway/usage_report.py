@@ -19,7 +19,7 @@ async def usage_json(
     if start is not None and end is not None and start > end:
         raise APIError(400, f"'from' ({start}) is after 'to' ({end})", param="from")
     report = await usage_report(
-        state.sessions, tenant, adapter, start, end, pending=await state.accounting.store.pending()
+        state.database.usage, tenant, adapter, start, end, pending=await state.accounting.store.pending()
     )
     return {
         "object": "list",

@@ -1,16 +1,20 @@
 """The registry on SQLite and on a real PostgreSQL: migrations, name@version uniqueness, latest version,
-tenant visibility, deletion."""
+tenant visibility, deletion; the tenant and API-key repositories; and the gateway holding no SQL of its own."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
+from pathlib import Path
 
 import pytest
 from sqlalchemy import inspect
 
 from registry import db
 from registry.adapters import ALL_TENANTS, AdapterExists, AdapterRegistry, check_name, split_adapter_id
+from registry.database import RegistryDatabase
 from registry.models import Adapter, Tenant
+from registry.tenants import TenantExists
 
 
 def row(name: str, version: str, owner: str | None = None) -> Adapter:
@@ -98,3 +102,54 @@ def test_adapter_id_splits_at_the_last_at():
     assert split_adapter_id("sql@2") == ("sql", "2")
     assert split_adapter_id("sql") == ("sql", None)
     assert split_adapter_id("@x") == ("@x", None)
+
+
+def test_tenants_and_api_keys(migrated):
+    async def scenario():
+        database = RegistryDatabase(migrated)
+        try:
+            await database.ping()
+            tenants, keys = database.tenants, database.api_keys
+            await tenants.add(Tenant(name="initech", requests_per_minute=5))
+            with pytest.raises(TenantExists):
+                await tenants.add(Tenant(name="initech"))
+            changed = await tenants.update("initech", {"requests_per_minute": None, "token_quota": 100})
+            assert (changed.requests_per_minute, changed.token_quota) == (None, 100)
+            assert await tenants.update("nobody", {"token_quota": 1}) is None
+            assert "initech" in [t.name for t in await tenants.list()]
+            first = await keys.add("initech", prefix="lpx-aaaa", key_hash="a" * 64)
+            second = await keys.add("initech", prefix="lpx-bbbb", key_hash="b" * 64)
+            assert (await keys.active("a" * 64)).tenant == "initech"
+            assert await keys.revoke("someone-else", first.id) is None  # not that tenant's key
+            revoked = await keys.revoke("initech", first.id)
+            assert revoked.revoked_at is not None
+            again = await keys.revoke("initech", first.id)  # keeps its first revocation time (SQLite drops the zone)
+            assert again.revoked_at.replace(tzinfo=None) == revoked.revoked_at.replace(tzinfo=None)
+            assert await keys.active("a" * 64) is None
+            assert [k.id for k in await keys.list("initech")] == [first.id, second.id]
+            await database.adapters.add(row("initech-private", "1", owner="initech"))
+            await tenants.delete("initech")  # with its keys and private adapters
+            assert await tenants.get("initech") is None and await keys.list("initech") == []
+            assert await keys.active("b" * 64) is None
+            assert await database.adapters.get("initech-private", None, ALL_TENANTS) is None
+        finally:
+            await database.close()
+
+    run(scenario())
+
+
+def test_the_gateway_holds_no_sql():
+    """Every query is a registry repository's: no module under gateway/ imports SQLAlchemy or opens a session."""
+    gateway = Path(__file__).resolve().parent.parent / "gateway"
+    offenders = []
+    for path in sorted(gateway.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            if any(name.split(".")[0] == "sqlalchemy" for name in names):
+                offenders.append(f"{path.relative_to(gateway.parent)}:{node.lineno} imports sqlalchemy")
+            if isinstance(node, ast.Attribute) and node.attr in ("sessions", "sessionmaker", "execute", "scalars"):
+                offenders.append(f"{path.relative_to(gateway.parent)}:{node.lineno} uses .{node.attr}")
+    assert not offenders, offenders

@@ -16,6 +16,7 @@ from gateway.usage import UsageCounts, UsageFlusher, UsageKey, UsageRecord, usag
 from gateway.usage.memory_store import MemoryUsageStore
 from gateway.usage.redis_store import RedisUsageStore
 from registry.db import create_engine, sessionmaker, upgrade
+from registry.usage import UsageRollups
 from tests.services import RedisProcess
 
 DAY = dt.date(2026, 3, 10)
@@ -54,10 +55,10 @@ def tenant():
 class Database:
     def __init__(self, url: str):
         self.engine = create_engine(url)
-        self.sessionmaker = sessionmaker(self.engine)
+        self.rollups = UsageRollups(sessionmaker(self.engine))
 
     async def totals(self, tenant: str) -> dict[tuple[str, dt.date], dict[str, int]]:
-        report = await usage_report(self.sessionmaker, tenant=tenant)
+        report = await usage_report(self.rollups, tenant=tenant)
         return {(row.adapter, row.day): _counts(row) for row in report.rows}
 
     async def close(self) -> None:
@@ -107,14 +108,14 @@ def test_flush_adds_to_existing_rows(new_store, db_url, tenant):
         first = [usage(tenant, 10, 5, 1), usage(tenant, 3, 2, adapter="")]
         for i, record in enumerate(first):
             await store.record(f"a{i}", record)
-        flushed = await store.flush(db.sessionmaker)
+        flushed = await store.flush(db.rollups)
         after_first = await db.totals(tenant)
         second = [usage(tenant, 20, 10, 4), usage(tenant, 1, 1)]
         for i, record in enumerate(second):
             await store.record(f"b{i}", record)
         await store.record("a0", first[0])  # a replay after its flush still counts nothing
-        await store.flush(db.sessionmaker)
-        await store.flush(db.sessionmaker)  # nothing left: adds nothing
+        await store.flush(db.rollups)
+        await store.flush(db.rollups)  # nothing left: adds nothing
         totals, pending = await db.totals(tenant), pending_of(await store.pending(), tenant)
         await store.close()
         await db.close()
@@ -136,10 +137,10 @@ def test_failed_flush_keeps_counters_pending(new_store, tmp_path, tenant):
         good, broken, store = Database(good_url), Database(broken_url), new_store()
         await store.record("r1", usage(tenant, 5, 5))
         with pytest.raises(Exception, match="usage_rollups"):
-            await store.flush(broken.sessionmaker)
+            await store.flush(broken.rollups)
         pending = pending_of(await store.pending(), tenant)
         await store.record("r2", usage(tenant, 1, 2))
-        await store.flush(good.sessionmaker)
+        await store.flush(good.rollups)
         totals = await good.totals(tenant)
         await store.close()
         await good.close()
@@ -163,10 +164,10 @@ def test_two_gateways_on_one_redis_flush_exactly_once(redis_url, redis_key_prefi
                 if i % 2 == index or i % 5 == 0:  # every fifth request is replayed by the other gateway too
                     await store.record(f"req-{i}", record)
                 if i % 7 == 0:
-                    await store.flush(db.sessionmaker)
+                    await store.flush(db.rollups)
 
         await asyncio.gather(gateway(0), gateway(1))
-        await asyncio.gather(*(store.flush(db.sessionmaker) for store in stores))
+        await asyncio.gather(*(store.flush(db.rollups) for store in stores))
         totals = await db.totals(tenant)
         for store in stores:
             await store.close()
@@ -191,10 +192,10 @@ def test_claim_of_a_dead_flusher_is_taken_back(redis_url, redis_key_prefix, tmp_
         assert await dead._claim(keys=[pending, flushing, claims], args=["dead-flush", time.time(), 3600])
         await dead.close()
         claimed = pending_of(await alive.pending(), tenant)
-        early = await alive.flush(db.sessionmaker)  # the claim is not stale yet: left alone
+        early = await alive.flush(db.rollups)  # the claim is not stale yet: left alone
         await asyncio.sleep(0.4)
-        await alive.flush(db.sessionmaker)
-        await alive.flush(db.sessionmaker)
+        await alive.flush(db.rollups)
+        await alive.flush(db.rollups)
         totals = await db.totals(tenant)
         await alive.close()
         await db.close()
@@ -229,9 +230,9 @@ def test_slow_flusher_whose_claim_was_taken_back_commits_nothing(redis_url, redi
         other = RedisUsageStore(redis_url, key_prefix=redis_key_prefix, stale_claim_s=0.3)
         await slow.record("r1", usage(tenant, 8, 4))
         unlock = lock_rollups(db_url, tenant)
-        slow_flush = asyncio.create_task(slow.flush(db.sessionmaker))  # claims, then waits for the database
+        slow_flush = asyncio.create_task(slow.flush(db.rollups))  # claims, then waits for the database
         await asyncio.sleep(0.5)
-        other_flush = asyncio.create_task(other.flush(db.sessionmaker))  # takes the stale claim back, flushes it
+        other_flush = asyncio.create_task(other.flush(db.rollups))  # takes the stale claim back, flushes it
         await asyncio.sleep(0.2)
         unlock()
         flushed = await asyncio.gather(slow_flush, other_flush)
@@ -260,14 +261,14 @@ def test_redis_outage_loses_nothing_and_counts_nothing_twice(db_url, tenant, cap
             await store.record(f"during-{i}", record)  # must not raise
         await store.record("during-0", during[0])  # a replay while down
         await store.record("before-1", before[1])  # a replay of a request Redis already holds
-        await store.flush(db.sessionmaker)  # Redis down: postponed, nothing lost
+        await store.flush(db.rollups)  # Redis down: postponed, nothing lost
         recording_s = time.monotonic() - started
         buffered = pending_of(await store.pending(), tenant)
         redis.start()
         await store.record("before-2", before[2])  # replays after the restart count nothing either
         after = usage(tenant, 1000, 1)
         await store.record("after-0", after)
-        await store.flush(db.sessionmaker)
+        await store.flush(db.rollups)
         totals, pending = await db.totals(tenant), pending_of(await store.pending(), tenant)
         await store.close()
         await db.close()
@@ -289,14 +290,14 @@ def test_final_flush_writes_the_buffer_when_redis_stays_down(tmp_path, tenant):
     async def main(redis: RedisProcess):
         db = Database(url)
         store = RedisUsageStore(redis.url, key_prefix="final:")
-        flusher = UsageFlusher(store, db.sessionmaker, interval_s=3600)
+        flusher = UsageFlusher(store, db.rollups, interval_s=3600)
         await store.record("r0", usage(tenant, 3, 3))
         redis.stop()
         await store.record("r1", usage(tenant, 4, 4))
         await flusher.close()  # shutdown while Redis is down: r1 goes straight to the database
         at_close = await db.totals(tenant)
         redis.start()
-        await store.flush(db.sessionmaker)  # r0 was in Redis all along: flushed once, r1 not again
+        await store.flush(db.rollups)  # r0 was in Redis all along: flushed once, r1 not again
         totals = await db.totals(tenant)
         await store.close()
         await db.close()
@@ -314,7 +315,7 @@ def test_flusher_flushes_every_interval_and_at_close(new_store, tmp_path, tenant
 
     async def main():
         db, store = Database(url), new_store()
-        flusher = UsageFlusher(store, db.sessionmaker, interval_s=0.05)
+        flusher = UsageFlusher(store, db.rollups, interval_s=0.05)
         flusher.start()
         await store.record("r0", usage(tenant, 1, 2))
         deadline = time.monotonic() + 5
@@ -371,14 +372,14 @@ def test_usage_report_filters_and_totals(tmp_path):
         records += [usage("globex", 40, 4), usage("", 50, 5, adapter="")]
         for i, record in enumerate(records):
             await store.record(str(i), record)
-        await store.flush(db.sessionmaker)
+        await store.flush(db.rollups)
         await store.record("late", usage("acme", 7, 7, day=next_day))
         reports = {
-            "all": await usage_report(db.sessionmaker),
-            "acme": await usage_report(db.sessionmaker, tenant="acme"),
-            "sql": await usage_report(db.sessionmaker, adapter="sql"),
-            "day": await usage_report(db.sessionmaker, from_day=next_day, to_day=next_day),
-            "acme+pending": await usage_report(db.sessionmaker, tenant="acme", pending=await store.pending()),
+            "all": await usage_report(db.rollups),
+            "acme": await usage_report(db.rollups, tenant="acme"),
+            "sql": await usage_report(db.rollups, adapter="sql"),
+            "day": await usage_report(db.rollups, from_day=next_day, to_day=next_day),
+            "acme+pending": await usage_report(db.rollups, tenant="acme", pending=await store.pending()),
         }
         await db.close()
         return reports

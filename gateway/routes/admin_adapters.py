@@ -12,7 +12,7 @@ from gateway.auth import AdminDep
 from gateway.errors import APIError
 from gateway.state import GatewayState, StateDep
 from registry.adapters import ALL_TENANTS
-from registry.models import Adapter, Tenant
+from registry.models import Adapter
 
 router = APIRouter(prefix="/admin/adapters", tags=["admin"], dependencies=[AdminDep])
 
@@ -60,10 +60,8 @@ async def _get(state: GatewayState, name: str, version: str | None) -> Adapter:
 
 @router.post("", status_code=201)
 async def register(body: RegisterAdapter, state: StateDep):
-    if body.owner is not None:
-        async with state.sessions() as session:
-            if await session.get(Tenant, body.owner) is None:
-                raise APIError(422, f"owner tenant '{body.owner}' does not exist", param="owner")
+    if body.owner is not None and await state.database.tenants.get(body.owner) is None:
+        raise APIError(422, f"owner tenant '{body.owner}' does not exist", param="owner")
     adapter = await state.adapters.register(body.name, body.path, body.version, body.description, body.owner)
     return adapter_json(adapter, await state.adapters.tier(adapter))
 

@@ -11,14 +11,14 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import delete, select
 
 from gateway.auth import AdminDep, hash_key, new_api_key
 from gateway.errors import APIError
 from gateway.state import GatewayState, StateDep
 from gateway.usage_report import usage_json
 from registry.adapters import ALL_TENANTS, NAME_PATTERN
-from registry.models import Adapter, ApiKey, Tenant, utcnow
+from registry.models import ApiKey, Tenant
+from registry.tenants import TenantExists
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[AdminDep])
 Limit = Annotated[int | None, Field(ge=1)]
@@ -62,11 +62,14 @@ def key_json(key: ApiKey) -> dict:
     }
 
 
+def _no_tenant(name: str) -> APIError:
+    return APIError(404, f"tenant '{name}' does not exist", param="name", code="tenant_not_found")
+
+
 async def _tenant(state: GatewayState, name: str) -> Tenant:
-    async with state.sessions() as session:
-        tenant = await session.get(Tenant, name)
+    tenant = await state.database.tenants.get(name)
     if tenant is None:
-        raise APIError(404, f"tenant '{name}' does not exist", param="name", code="tenant_not_found")
+        raise _no_tenant(name)
     return tenant
 
 
@@ -74,19 +77,16 @@ async def _tenant(state: GatewayState, name: str) -> Tenant:
 async def create_tenant(body: CreateTenant, state: StateDep):
     if not NAME_PATTERN.fullmatch(body.name):
         raise APIError(422, f"invalid tenant name {body.name!r}: letters, digits and . _ - + :", param="name")
-    async with state.sessions() as session:
-        if await session.get(Tenant, body.name) is not None:
-            raise APIError(409, f"tenant '{body.name}' already exists", param="name", code="conflict")
-        tenant = Tenant(**body.model_dump())
-        session.add(tenant)
-        await session.commit()
+    try:
+        tenant = await state.database.tenants.add(Tenant(**body.model_dump()))
+    except TenantExists as e:
+        raise APIError(409, str(e), param="name", code="conflict") from None
     return tenant_json(tenant)
 
 
 @router.get("/tenants")
 async def list_tenants(state: StateDep):
-    async with state.sessions() as session:
-        tenants = (await session.scalars(select(Tenant).order_by(Tenant.name))).all()
+    tenants = await state.database.tenants.list()
     return {"object": "list", "data": [tenant_json(t) for t in tenants]}
 
 
@@ -98,12 +98,9 @@ async def get_tenant(name: str, state: StateDep):
 @router.patch("/tenants/{name}")
 async def update_tenant(name: str, body: TenantLimitsBody, state: StateDep):
     """Sets the fields given (null clears a limit)."""
-    await _tenant(state, name)
-    async with state.sessions() as session:
-        tenant = await session.get(Tenant, name)
-        for field, value in body.model_dump(exclude_unset=True).items():
-            setattr(tenant, field, value)
-        await session.commit()
+    tenant = await state.database.tenants.update(name, body.model_dump(exclude_unset=True))
+    if tenant is None:
+        raise _no_tenant(name)
     state.accounting.forget(name)
     return tenant_json(tenant)
 
@@ -114,11 +111,7 @@ async def delete_tenant(name: str, state: StateDep):
     owned = [a for a in await state.registry.list(ALL_TENANTS) if a.owner == name]
     for adapter in {a.name for a in owned}:
         await state.adapters.delete(adapter, None)
-    async with state.sessions() as session:
-        await session.execute(delete(ApiKey).where(ApiKey.tenant == name))
-        await session.execute(delete(Adapter).where(Adapter.owner == name))
-        await session.execute(delete(Tenant).where(Tenant.name == name))
-        await session.commit()
+    await state.database.tenants.delete(name)
     state.accounting.forget(name)
     return {"deleted": name, "adapters_deleted": sorted(a.adapter_id for a in owned)}
 
@@ -128,30 +121,22 @@ async def create_key(name: str, state: StateDep):
     """The key is in this response only; it is stored as a hash."""
     await _tenant(state, name)
     key = new_api_key()
-    async with state.sessions() as session:
-        row = ApiKey(tenant=name, prefix=key[:12], key_hash=hash_key(key))
-        session.add(row)
-        await session.commit()
+    row = await state.database.api_keys.add(name, prefix=key[:12], key_hash=hash_key(key))
     return {**key_json(row), "key": key}
 
 
 @router.get("/tenants/{name}/keys")
 async def list_keys(name: str, state: StateDep):
     await _tenant(state, name)
-    async with state.sessions() as session:
-        keys = (await session.scalars(select(ApiKey).where(ApiKey.tenant == name).order_by(ApiKey.id))).all()
+    keys = await state.database.api_keys.list(name)
     return {"object": "list", "data": [key_json(k) for k in keys]}
 
 
 @router.delete("/tenants/{name}/keys/{key_id}")
 async def revoke_key(name: str, key_id: int, state: StateDep):
-    async with state.sessions() as session:
-        key = await session.get(ApiKey, key_id)
-        if key is None or key.tenant != name:
-            raise APIError(404, f"tenant '{name}' has no key {key_id}", param="key_id")
-        if key.revoked_at is None:
-            key.revoked_at = utcnow()
-            await session.commit()
+    key = await state.database.api_keys.revoke(name, key_id)
+    if key is None:
+        raise APIError(404, f"tenant '{name}' has no key {key_id}", param="key_id")
     return key_json(key)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter
-from sqlalchemy import text
 
 from gateway.errors import APIError
 from gateway.state import StateDep
@@ -25,8 +24,7 @@ async def health(state: StateDep):
     if not state.engine.is_alive:
         raise APIError(503, "the engine thread has stopped")
     try:
-        async with state.database.connect() as connection:
-            await connection.execute(text("SELECT 1"))
+        await state.database.ping()
     except Exception as e:
         raise APIError(503, f"the registry database is unreachable: {type(e).__name__}") from None
     return {"status": "ok"}

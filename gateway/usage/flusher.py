@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from sqlalchemy.ext.asyncio import async_sessionmaker
-
 from gateway.usage.store import UsageStore
+from registry.usage import UsageRollups
 
 logger = logging.getLogger(__name__)
 
@@ -16,9 +15,9 @@ class UsageFlusher:
     """Flushes `store` every `interval_s` seconds and a last time (final) at `close`; errors are logged, and
     the counters they concern stay pending for the next round."""
 
-    def __init__(self, store: UsageStore, sessionmaker: async_sessionmaker, interval_s: float = 10.0):
+    def __init__(self, store: UsageStore, rollups: UsageRollups, interval_s: float = 10.0):
         self.store = store
-        self.sessionmaker = sessionmaker
+        self.rollups = rollups
         self.interval_s = interval_s
         self._stopping = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -37,7 +36,7 @@ class UsageFlusher:
 
     async def flush(self, final: bool = False) -> None:
         try:
-            await self.store.flush(self.sessionmaker, final=final)
+            await self.store.flush(self.rollups, final=final)
         except Exception:
             logger.exception("usage: flush to the registry failed; the counters stay pending")
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from sqlalchemy.ext.asyncio import async_sessionmaker
-
-from gateway.usage.record import UsageCounts, UsageKey, UsageRecord, add_counts, merge_counters
-from gateway.usage.rollups import write_rollups
+from gateway.usage.record import UsageRecord, add_counts, merge_counters
 from gateway.usage.store import DEDUPE_TTL_S, UsageStore
+from registry.usage import UsageCounts, UsageKey, UsageRollups
 
 
 class MemoryUsageStore(UsageStore):
@@ -27,10 +25,10 @@ class MemoryUsageStore(UsageStore):
         self._seen[request_id] = now
         add_counts(self._counters, record.key, record.counts)
 
-    async def flush(self, sessionmaker: async_sessionmaker, final: bool = False) -> dict[UsageKey, UsageCounts]:
+    async def flush(self, rollups: UsageRollups, final: bool = False) -> dict[UsageKey, UsageCounts]:
         flushing, self._counters = self._counters, {}  # no await in between: records after this go to the next flush
         try:
-            await write_rollups(sessionmaker, flushing)
+            await rollups.add(flushing)
         except BaseException:
             self._counters = merge_counters(flushing, self._counters)
             raise

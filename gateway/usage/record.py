@@ -1,43 +1,16 @@
-"""What one served request adds to usage: `UsageRecord`, and the counters it adds to per (tenant, adapter, day)."""
+"""What one served request adds to usage: `UsageRecord`, and adding up the counters it adds to per (tenant, adapter,
+day) (`UsageKey` -> `UsageCounts`, the registry's row types)."""
 
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
+from registry.usage import UsageCounts, UsageKey
 
 
 def utc_today() -> dt.date:
     return dt.datetime.now(dt.UTC).date()
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class UsageKey:
-    """One row of `usage_rollups`: "" stands for no tenant (auth off) and for the base model (no adapter)."""
-
-    tenant: str
-    adapter: str
-    day: dt.date
-
-
-@dataclass(slots=True)
-class UsageCounts:
-    requests: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache (a part of prompt_tokens)
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-    def add(self, other: UsageCounts) -> None:
-        for name in COUNTERS:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,11 +29,10 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
-from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from gateway.usage.record import UsageCounts, UsageKey, UsageRecord, add_counts, merge_counters
-from gateway.usage.rollups import add_to_rollups, write_rollups
+from gateway.usage.record import UsageRecord, add_counts, merge_counters
 from gateway.usage.store import DEDUPE_TTL_S, UsageStore
+from registry.usage import UsageCounts, UsageKey, UsageRollups
 
 logger = logging.getLogger(__name__)
 
@@ -159,18 +158,18 @@ class RedisUsageStore(UsageStore):
 
     # ---- flushing ----
 
-    async def flush(self, sessionmaker: async_sessionmaker, final: bool = False) -> dict[UsageKey, UsageCounts]:
+    async def flush(self, rollups: UsageRollups, final: bool = False) -> dict[UsageKey, UsageCounts]:
         flushed: dict[UsageKey, UsageCounts] = {}
         self._retry_at = 0.0  # a flush always asks Redis, even right after a failed record
         try:
             if await self._drain_buffer():
                 await self._give_back_claims()
-                flushed = await self._flush_pending(sessionmaker)
+                flushed = await self._flush_pending(rollups)
         except REDIS_ERRORS as e:
             self._redis_failed(e)
             logger.warning("usage: flush postponed, Redis unreachable: %s", e)
         if final and self._buffer:
-            flushed = merge_counters(flushed, await self._flush_buffer_to_db(sessionmaker))
+            flushed = merge_counters(flushed, await self._flush_buffer_to_db(rollups))
         return flushed
 
     async def _give_back_claims(self) -> None:
@@ -186,19 +185,16 @@ class RedisUsageStore(UsageStore):
     def _claim_keys(self, flush_id: str) -> list[str]:
         return [self._keys + "flushing:" + flush_id, self._keys + "pending", self._keys + "claims"]
 
-    async def _flush_pending(self, sessionmaker: async_sessionmaker) -> dict[UsageKey, UsageCounts]:
+    async def _flush_pending(self, rollups: UsageRollups) -> dict[UsageKey, UsageCounts]:
         flush_id = uuid.uuid4().hex
         flushing, pending, claims = self._claim_keys(flush_id)
         if not await self._claim(keys=[pending, flushing, claims], args=[flush_id, time.time(), CLAIM_TTL_S]):
             return {}
         counters = _parse_hash(await self.redis.hgetall(flushing))
         try:
-            async with sessionmaker() as session:
-                await add_to_rollups(session, counters)
-                if not await self.redis.zrem(claims, flush_id):
-                    await session.rollback()  # a reclaimer took it back: it is pending again
-                    return {}
-                await session.commit()
+            # committed only if the claim is still ours: a reclaimer that took it back made it pending again
+            if not await rollups.add(counters, commit_if=lambda: self._unclaim(claims, flush_id)):
+                return {}
         except REDIS_ERRORS:
             self._unresolved.add(flush_id)  # the ZREM may have happened: resolved on the next flush
             raise
@@ -208,6 +204,9 @@ class RedisUsageStore(UsageStore):
         await self.redis.delete(flushing)
         return counters
 
+    async def _unclaim(self, claims: str, flush_id: str) -> bool:
+        return bool(await self.redis.zrem(claims, flush_id))
+
     async def _give_back_own(self, flush_id: str) -> None:
         try:
             await self._give_back(keys=self._claim_keys(flush_id), args=[flush_id, 0])
@@ -215,12 +214,12 @@ class RedisUsageStore(UsageStore):
             self._redis_failed(e)
             self._unresolved.add(flush_id)
 
-    async def _flush_buffer_to_db(self, sessionmaker: async_sessionmaker) -> dict[UsageKey, UsageCounts]:
+    async def _flush_buffer_to_db(self, rollups: UsageRollups) -> dict[UsageKey, UsageCounts]:
         """At shutdown with Redis still down: the records Redis never took go straight to the database."""
         taken, self._buffer = self._buffer, {}
         counters = self._buffer_counters(taken)
         try:
-            await write_rollups(sessionmaker, counters)
+            await rollups.add(counters)
         except BaseException:
             self._buffer = {**taken, **self._buffer}
             raise

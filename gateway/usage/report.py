@@ -1,4 +1,5 @@
-"""Usage reports: rows of `usage_rollups` by tenant, adapter and day range, with totals."""
+"""Usage reports: the registry's rollups by tenant, adapter and day range, plus the counters not flushed yet, with
+totals."""
 
 from __future__ import annotations
 
@@ -6,11 +7,8 @@ import datetime as dt
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from sqlalchemy import select
-from sqlalchemy.ext.asyncio import async_sessionmaker
-
-from gateway.usage.record import COUNTERS, UsageCounts, UsageKey, add_counts
-from registry.models import UsageRollup
+from gateway.usage.record import add_counts
+from registry.usage import UsageCounts, UsageKey, UsageRollups
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +38,7 @@ def _selected(key: UsageKey, tenant, adapter, from_day, to_day) -> bool:
 
 
 async def usage_report(
-    sessionmaker: async_sessionmaker,
+    rollups: UsageRollups,
     tenant: str | None = None,
     adapter: str | None = None,
     from_day: dt.date | None = None,
@@ -49,21 +47,7 @@ async def usage_report(
 ) -> UsageReport:
     """Usage per (tenant, adapter, day) with `from_day <= day <= to_day`; None selects all. `pending` (a
     store's `pending()`) adds the counters not flushed yet."""
-    query = select(UsageRollup)
-    if tenant is not None:
-        query = query.where(UsageRollup.tenant == tenant)
-    if adapter is not None:
-        query = query.where(UsageRollup.adapter == adapter)
-    if from_day is not None:
-        query = query.where(UsageRollup.day >= from_day)
-    if to_day is not None:
-        query = query.where(UsageRollup.day <= to_day)
-    async with sessionmaker() as session:
-        stored = (await session.scalars(query)).all()
-    counters: dict[UsageKey, UsageCounts] = {}
-    for row in stored:
-        counts = UsageCounts(*(getattr(row, name) for name in COUNTERS))
-        add_counts(counters, UsageKey(row.tenant, row.adapter, row.day), counts)
+    counters = await rollups.read(tenant, adapter, from_day, to_day)
     for key, counts in (pending or {}).items():
         if _selected(key, tenant, adapter, from_day, to_day):
             add_counts(counters, key, counts)

@@ -1,12 +1,11 @@
-"""The `UsageStore` interface: counts each served request once, and moves the counts into the registry."""
+"""The `UsageStore` interface: counts each served request once, and moves the counts into the registry's rollups."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from sqlalchemy.ext.asyncio import async_sessionmaker
-
-from gateway.usage.record import UsageCounts, UsageKey, UsageRecord
+from gateway.usage.record import UsageRecord
+from registry.usage import UsageCounts, UsageKey, UsageRollups
 
 DEDUPE_TTL_S = 24 * 3600  # how long a request_id is remembered, so a replay of it is not counted again
 
@@ -18,8 +17,8 @@ class UsageStore(ABC):
         Never raises for an unreachable Redis: the record waits in a local buffer until Redis is back."""
 
     @abstractmethod
-    async def flush(self, sessionmaker: async_sessionmaker, final: bool = False) -> dict[UsageKey, UsageCounts]:
-        """Adds the counted but unflushed counters to `usage_rollups` exactly once, and returns them.
+    async def flush(self, rollups: UsageRollups, final: bool = False) -> dict[UsageKey, UsageCounts]:
+        """Adds the counted but unflushed counters to `rollups` exactly once, and returns them.
         On a database error the counters stay pending (and the error is raised). `final` (at shutdown) also
         writes what this process could not hand to Redis straight to the database."""
 

@@ -1,0 +1,33 @@
+"""RegistryDatabase: the registry as a running gateway holds it: one connection pool and one repository per table
+(adapters, tenants, API keys, usage rollups), a liveness check, and closing.
+
+Every SQL statement the gateway causes is in these repositories; the gateway passes them around, never sessions.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import URL, text
+
+from registry import db
+from registry.adapters import AdapterRegistry
+from registry.api_keys import ApiKeyRepository
+from registry.tenants import TenantRepository
+from registry.usage import UsageRollups
+
+
+class RegistryDatabase:
+    def __init__(self, url: str | URL):
+        self.engine = db.create_engine(url)
+        sessions = db.sessionmaker(self.engine)
+        self.adapters = AdapterRegistry(sessions)
+        self.tenants = TenantRepository(sessions)
+        self.api_keys = ApiKeyRepository(sessions)
+        self.usage = UsageRollups(sessions)
+
+    async def ping(self) -> None:
+        """Raises when the database cannot be reached."""
+        async with self.engine.connect() as connection:
+            await connection.execute(text("SELECT 1"))
+
+    async def close(self) -> None:
+        await self.engine.dispose()
