@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,41 @@ def test_versions_latest_visibility_and_delete(migrated):
         assert await registry.get("sql", None, ALL_TENANTS) is None
 
     run(_with_registry(migrated, scenario))
+
+
+def _upgrade_together(url: str, barrier) -> None:
+    barrier.wait(timeout=60)
+    db.upgrade(url)
+
+
+def test_replicas_upgrading_a_fresh_postgresql_at_once_migrate_it_once():
+    """Two processes start on an empty database at the same moment: both succeed (the advisory lock makes the second
+    wait, then find the schema at head), and the schema is at head once."""
+    from sqlalchemy import create_engine, text
+
+    from tests.services import create_database, drop_database, ensure_postgres
+
+    url = create_database(ensure_postgres())
+    spawn = multiprocessing.get_context("spawn")
+    barrier = spawn.Barrier(2)
+    replicas = [spawn.Process(target=_upgrade_together, args=(url, barrier)) for _ in range(2)]
+    try:
+        for replica in replicas:
+            replica.start()
+        for replica in replicas:
+            replica.join(timeout=120)
+        assert [replica.exitcode for replica in replicas] == [0, 0]
+        engine = create_engine(db.sync_url(url))
+        with engine.connect() as connection:
+            versions = connection.execute(text("SELECT version_num FROM alembic_version")).scalars().all()
+            tables = set(inspect(connection).get_table_names())
+        engine.dispose()
+        assert versions == [db.head_revision()]
+        assert {"adapters", "tenants", "api_keys", "usage_rollups"} <= tables
+    finally:
+        for replica in replicas:
+            replica.kill()
+        drop_database(url)
 
 
 @pytest.mark.parametrize("name", ["", "a b", "x/y", "-lead", "a@b", "é", "n" * 129])
