@@ -220,8 +220,14 @@ def _digest(tensors: dict[str, torch.Tensor], scalings: dict[str, float]) -> str
     return f"sha256:{h.hexdigest()}"
 
 
+def _same_model_name(a: str, b: str) -> bool:
+    """'SmolLM2-135M-Instruct' names 'SmolLM2-135M-Instruct.Q4_1.gguf' too."""
+    return a.startswith(b) or b.startswith(a)
+
+
 def _check_base_name(config: AdapterConfig, spec: BaseModelSpec, label: str) -> None:
-    """Names differ across machines (paths, mirrors), so a mismatch is only logged; the shapes are the real check."""
+    """Names differ across machines (paths, mirrors, a GGUF file named after its model and quantization), so a
+    mismatch is only logged; the shapes are the real check."""
     theirs, ours = config.base_model_name_or_path, spec.base_model_name
-    if theirs and ours and Path(theirs).name != Path(ours).name:
+    if theirs and ours and not _same_model_name(Path(theirs).name, Path(ours).name):
         logger.warning("adapter %r was trained on %r, the base model here is %r", label, theirs, ours)
