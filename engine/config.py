@@ -1,38 +1,50 @@
-"""EngineConfig: every knob of the engine in one validated place."""
+"""EngineConfig: every knob of the engine in one validated place, declared once.
+
+A field made with `option(...)` is one a user may set: `loraplex serve` and `loraplex generate` make a flag of it, and
+serve a `LORAPLEX_*` variable (gateway/engine_settings.py), with this default and help. The other fields (the model,
+enable_lora) are set by the caller."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BACKENDS = ("auto", "torch", "triton")  # "auto": triton on CUDA, torch on CPU
+
+
+def option(default, help: str, choices: tuple[str, ...] = (), size: bool = False):
+    """A field a user may set. `choices`: its only values; `size`: a number of bytes, also given as e.g. 2GiB."""
+    return field(default=default, metadata={"help": help, "choices": choices, "size": size})
 
 
 @dataclass(slots=True)
 class EngineConfig:
     model: str
-    dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # "auto": cuda when available, else cpu
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes for the KV pool; None: 1 GiB on CPU, a fraction of free on CUDA
-    gpu_memory_utilization: float = 0.85  # CUDA: fraction of free memory (after weights) for the KV pool
-    num_kv_blocks: int | None = None  # overrides the memory budget (tests use it)
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # "torch" | "triton" | "auto" (triton on CUDA)
+    dtype: str = option("auto", "weights and activations (auto: float32 on CPU, bfloat16 on CUDA)", ("auto", *DTYPES))
+    device: str = option("auto", "auto | cpu | cuda[:N] (auto: cuda when available)")
+    block_size: int = option(16, "tokens per KV-cache block (a power of two)")
+    kv_cache_memory: int | None = option(
+        None, "KV pool size, e.g. 2GiB (default: 1GiB on CPU, --gpu-memory-utilization on CUDA)", size=True
+    )
+    gpu_memory_utilization: float = option(0.85, "CUDA: fraction of free memory (after weights) for the KV pool")
+    num_kv_blocks: int | None = option(None, "KV-cache blocks, overriding the memory budget (default: from it)")
+    max_num_seqs: int = option(128, "most sequences in one step")
+    max_num_batched_tokens: int = option(2048, "most tokens in one step")
+    max_model_len: int | None = option(None, "context length limit (default: the model's)")
+    enable_prefix_caching: bool = option(True, "reuse the KV of shared prompt prefixes (keyed by adapter digest)")
+    attention_backend: str = option("auto", "paged attention kernels (auto: triton on CUDA)", BACKENDS)
     enable_lora: bool = False
-    max_loras: int = 4  # device rows of stacked adapter weights: distinct adapters in one step
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None  # host-memory LRU tier; None: 4 x max_loras
-    allow_pickle_adapters: bool = False  # adapter_model.bin, loaded with weights_only=True
-    lora_backend: str = "auto"  # "torch" | "triton" | "auto" (triton on CUDA)
-    seed: int = 0
-    cpu_threads: int | None = None  # CPU: torch threads; None: every core but one (left to the server, tokenizer)
+    max_loras: int = option(4, "adapters resident on the device at once (rows of stacked weights)")
+    max_lora_rank: int = option(16, "highest adapter rank accepted")
+    max_cpu_loras: int | None = option(None, "adapters kept in host memory (default 4 x max-loras)")
+    allow_pickle_adapters: bool = option(False, "accept adapter_model.bin (loaded with weights_only)")
+    lora_backend: str = option("auto", "batched-LoRA kernels (auto: triton on CUDA)", BACKENDS)
+    seed: int = option(0, "engine seed for unseeded sampling")
+    cpu_threads: int | None = option(None, "CPU: torch threads (default: every core but one, left to the server)")
 
     def __post_init__(self) -> None:
         if not (Path(self.model).is_dir() or (str(self.model).endswith(".gguf") and Path(self.model).is_file())):

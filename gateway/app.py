@@ -15,8 +15,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from tqdm import tqdm
 
-from engine.async_engine import AsyncEngine
-from engine.interface import EngineConfig
+from engine.interface import AsyncEngine
 from gateway.accounting import Accounting
 from gateway.adapter_roots import AdapterRoots
 from gateway.adapter_service import AdapterService, parse_lora_module
@@ -36,24 +35,6 @@ from registry.database import RegistryDatabase
 logger = logging.getLogger(__name__)
 
 
-def engine_config(settings: ServeSettings, model_dir: str) -> EngineConfig:
-    return EngineConfig(
-        model=model_dir,
-        dtype=settings.dtype,
-        device=settings.device,
-        kv_cache_memory=settings.kv_cache_bytes,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_model_len=settings.max_model_len,
-        enable_lora=True,
-        max_loras=settings.max_loras,
-        max_lora_rank=settings.max_lora_rank,
-        max_cpu_loras=settings.max_cpu_loras,
-        allow_pickle_adapters=settings.allow_pickle_adapters,
-        seed=settings.seed,
-    )
-
-
 def _model_and_modules(settings: ServeSettings) -> tuple[str, str, list[tuple[str, str]]]:
     """(model path, served name, lora modules)."""
     modules = [parse_lora_module(spec) for spec in settings.lora_modules]
@@ -69,7 +50,7 @@ async def start(settings: ServeSettings) -> GatewayState:
     await asyncio.to_thread(db.upgrade, settings.database_url)
     database = RegistryDatabase(settings.database_url)
     logger.info("loading %s", model_dir)
-    engine = await asyncio.to_thread(AsyncEngine.from_config, engine_config(settings, model_dir))
+    engine = await asyncio.to_thread(AsyncEngine.from_config, settings.engine_config(model_dir, enable_lora=True))
     adapters = AdapterService(database.adapters, engine, AdapterRoots(settings.adapter_root), base_model)
     for name, path in tqdm(modules, desc="registering adapters", unit="adapter", disable=not modules):
         adapter = await adapters.ensure_registered(name, path)

@@ -6,6 +6,11 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.engine_settings import EngineSettings
+    from gateway.settings import ServeSettings
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -23,8 +28,7 @@ def _generate(args: argparse.Namespace) -> None:
     else:
         _check_model(model, "generate")
     lora = _lora_request(args.lora, demo_adapters) if args.lora else None
-    options = {"enable_lora": True, "max_lora_rank": args.max_lora_rank} if lora else {}
-    llm = LLM(model=model, dtype=args.dtype, device=args.device, **options)
+    llm = LLM(model=model, enable_lora=lora is not None, **_engine_settings(args).engine_options())
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     prompts = args.prompt or ["Hello, my name is", "The capital of France is"]
     chat = args.chat if args.chat is not None else llm.tokenizer.chat_template is not None
@@ -124,37 +128,20 @@ def with_demo(settings):
     return settings.model_copy(update=update)
 
 
-def _settings(args: argparse.Namespace):
-    from pydantic import ValidationError
-
+def _settings(args: argparse.Namespace) -> ServeSettings:
     from gateway.settings import ServeSettings
+    from loraplex.flags import settings_from_args
 
-    given = {
-        name: value for name, value in vars(args).items() if name in ServeSettings.model_fields and value is not None
-    }
-    try:
-        return ServeSettings(**given)
-    except ValidationError as e:
-        raise SystemExit(f"loraplex {args.command}: {e}") from None
+    return settings_from_args(ServeSettings, args, args.command)
 
 
-def _add_settings_flags(parser: argparse.ArgumentParser, only: set[str] | None = None) -> None:
-    """One flag per ServeSettings field, defaults left to the settings (environment, then the field's)."""
-    from gateway.settings import ENV_PREFIX, ServeSettings
+def _engine_settings(args: argparse.Namespace) -> EngineSettings:
+    """generate's engine options: flags > LORAPLEX_* variables > EngineConfig's defaults (its --seed is the sampling
+    seed, not the engine's)."""
+    from gateway.engine_settings import EngineSettings
+    from loraplex.flags import settings_from_args
 
-    for name, field in ServeSettings.model_fields.items():
-        if name == "log_level" or (only is not None and name not in only):
-            continue
-        flag = "--" + name.replace("_", "-")
-        help_text = f"{field.description} [env {ENV_PREFIX}{name.upper()}]"
-        annotation = str(field.annotation)
-        if "list" in annotation:
-            parser.add_argument(flag, nargs="+", action="extend", default=argparse.SUPPRESS, help=help_text)
-        elif "bool" in annotation:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
-        else:
-            kind = int if "int" in annotation and "str" not in annotation else float if "float" in annotation else str
-            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
+    return settings_from_args(EngineSettings, args, "generate", skip={"seed"})
 
 
 def _db_upgrade(args: argparse.Namespace) -> None:
@@ -164,6 +151,10 @@ def _db_upgrade(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from gateway.engine_settings import EngineSettings
+    from gateway.settings import ServeSettings
+    from loraplex.flags import add_settings_flags
+
     parser = argparse.ArgumentParser(prog="loraplex", description="Multi-LoRA serving on one base model.")
     parser.add_argument(
         "--log-level", default=None, help="debug | info | warning | error (default: $LORAPLEX_LOG_LEVEL or info)"
@@ -176,8 +167,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    gen.add_argument("--device", default="auto")
     gen.add_argument(
         "--lora",
         metavar="NAME=PATH",
@@ -189,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="render each prompt as a user turn with the chat template (default: when the model has one)",
     )
-    gen.add_argument("--max-lora-rank", type=int, default=64)
+    add_settings_flags(gen, EngineSettings, skip={"seed"})
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser(
@@ -198,13 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a base model and its LoRA adapters over an OpenAI-compatible API. Every option can "
         "also be set by its environment variable; flags win.",
     )
-    _add_settings_flags(serve)
+    add_settings_flags(serve, ServeSettings, skip={"log_level"})
     serve.set_defaults(func=_serve)
 
     database = sub.add_parser("db", help="the registry database")
     db_sub = database.add_subparsers(dest="db_command", required=True)
     upgrade = db_sub.add_parser("upgrade", help="apply the schema migrations (serve also does at start)")
-    _add_settings_flags(upgrade, only={"database_url", "model", "served_model_name"})  # the latter two name the default
+    # --model and --served-model-name name the default database
+    add_settings_flags(upgrade, ServeSettings, only={"database_url", "model", "served_model_name"})
     upgrade.set_defaults(func=_db_upgrade)
 
     bench = sub.add_parser("bench", help="benchmarks")

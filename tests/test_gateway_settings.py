@@ -1,17 +1,33 @@
 """`loraplex serve` options: flags beat `LORAPLEX_*` environment variables beat defaults; --lora-modules in
-both forms; sizes; the parser's help names every setting and its environment variable."""
+both forms; sizes; the parser's help names every setting and its environment variable; the engine's options of
+serve and generate are EngineConfig's (names, defaults, help), declared once."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import pytest
 
+from engine.config import EngineConfig
 from gateway.adapter_service import parse_lora_module
-from gateway.settings import ENV_PREFIX, ServeSettings, parse_size
-from loraplex.cli import _settings, build_parser
+from gateway.settings import ENGINE_OPTIONS, ENV_PREFIX, ServeSettings, parse_size
+from loraplex.cli import _engine_settings, _settings, build_parser
 
 
 def settings(argv: list[str]) -> ServeSettings:
     return _settings(build_parser().parse_args(["serve", *argv]))
+
+
+def generate_settings(argv: list[str]):
+    return _engine_settings(build_parser().parse_args(["generate", *argv]))
+
+
+@pytest.fixture
+def no_loraplex_environment(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith(ENV_PREFIX):
+            monkeypatch.delenv(name)
 
 
 def test_flags_beat_environment_beat_defaults(monkeypatch):
@@ -83,3 +99,55 @@ def test_the_default_registry_is_one_sqlite_file_per_served_model(monkeypatch, t
     assert len({demo, llama, named}) == 3
     assert all(url.startswith(f"sqlite:///{tmp_path}/loraplex/registry-") for url in (demo, llama, named))
     assert ServeSettings(database_url="postgresql://db/x").database_url == "postgresql://db/x"
+
+
+def test_engine_options_of_serve_and_generate_come_from_engine_config(no_loraplex_environment, monkeypatch, capsys):
+    """Every EngineConfig field a user may set (all but the model and enable_lora, which the caller sets) is a serve
+    flag and a LORAPLEX_* variable, and a generate flag (generate's --seed is the sampling seed), with EngineConfig's
+    default and help."""
+    options = [f for f in dataclasses.fields(EngineConfig) if f.name not in ("model", "enable_lora")]
+    monkeypatch.setenv("COLUMNS", "1000")  # help lines unwrapped
+    assert [f.name for f in options] == list(ENGINE_OPTIONS)
+    serve, generate = settings([]), generate_settings([])
+    for parser in ("serve", "generate"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([parser, "--help"])
+        helps = capsys.readouterr().out.replace("\n", " ")
+        helps = " ".join(helps.split())
+        for option in options:
+            if not (parser == "generate" and option.name == "seed"):
+                assert "--" + option.name.replace("_", "-") in helps, (parser, option.name)
+                assert " ".join(option.metadata["help"].split()) in helps, (parser, option.name)
+    for option in options:
+        assert ServeSettings.model_fields[option.name].default == option.default, option.name
+        assert getattr(serve, option.name) == option.default, option.name
+        assert getattr(generate, option.name) == option.default, option.name
+    assert generate.max_lora_rank == serve.max_lora_rank == EngineConfig.__dataclass_fields__["max_lora_rank"].default
+    assert build_parser().parse_args(["generate", "--seed", "7"]).seed == 7  # the sampling seed ...
+    assert generate_settings(["--seed", "7"]).seed == 0  # ... not the engine's
+
+
+def test_engine_flags_reach_the_engine_config_alike_from_serve_and_generate(
+    no_loraplex_environment, monkeypatch, tmp_path
+):
+    argv = ["--dtype", "float32", "--device", "cpu", "--block-size", "32", "--kv-cache-memory", "2GiB"]
+    argv += ["--no-enable-prefix-caching", "--max-lora-rank", "64", "--max-loras", "2", "--cpu-threads", "1"]
+    serve, generate = settings(argv), generate_settings(argv)
+    assert serve.engine_options() == generate.engine_options()
+    config = serve.engine_config(str(tmp_path), enable_lora=True)
+    assert (config.dtype, config.device, config.block_size, config.kv_cache_memory) == ("float32", "cpu", 32, 2 * 2**30)
+    assert not config.enable_prefix_caching and (config.max_lora_rank, config.max_loras, config.cpu_threads) == (
+        64,
+        2,
+        1,
+    )
+    assert config.enable_lora and config.max_cpu_loras == 8  # resolved by EngineConfig: 4 x max_loras
+    monkeypatch.setenv("LORAPLEX_BLOCK_SIZE", "64")
+    monkeypatch.setenv("LORAPLEX_KV_CACHE_MEMORY", "512MiB")
+    monkeypatch.setenv("LORAPLEX_LORA_BACKEND", "torch")
+    from_env = settings([])
+    assert (from_env.block_size, from_env.kv_cache_memory, from_env.lora_backend) == (64, 512 * 2**20, "torch")
+    assert settings(["--block-size", "8"]).block_size == 8  # the flag wins
+    for bad in (["--dtype", "fp8"], ["--kv-cache-memory", "lots"], ["--attention-backend", "cuda"]):
+        with pytest.raises(SystemExit):
+            settings(bad)
