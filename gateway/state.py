@@ -9,7 +9,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from engine.async_engine import AsyncEngine
+from engine.interface import AsyncEngine
 from gateway.accounting import Accounting
 from gateway.adapter_service import AdapterService
 from gateway.metrics import GatewayMetrics
