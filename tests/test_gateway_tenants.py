@@ -250,7 +250,7 @@ def within_one_minute_window() -> None:
         time.sleep(61 - time.time() % 60)
 
 
-def test_limits_answer_429_with_retry_after_naming_the_limit(server):
+def test_limits_answer_429_with_retry_after_naming_the_limit(server, tokenizer):
     tenant, key = new_tenant(server, requests_per_minute=3)
     within_one_minute_window()
     client = api(server, key)
@@ -264,7 +264,8 @@ def test_limits_answer_429_with_retry_after_naming_the_limit(server):
             assert a.patch(f"/admin/tenants/{tenant}", json={"requests_per_minute": 100}).status_code == 200
         assert http.post("/v1/completions", json={"model": "public", "prompt": "x", "max_tokens": 1}).status_code == 200
 
-    _, key = new_tenant(server, token_quota=2 * MAX_TOKENS, quota_period="month")
+    per_request = len(tokenizer.encode("Alice was")) + MAX_TOKENS  # prompt and completion tokens both count
+    _, key = new_tenant(server, token_quota=2 * per_request, quota_period="month")
     client = api(server, key)
     client.completions.create(
         model="public", prompt="Alice was", max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True}
