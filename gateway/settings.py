@@ -17,7 +17,7 @@ from pydantic import Field, model_validator
 from gateway.engine_settings import ENGINE_OPTIONS, ENV_PREFIX, EngineSettings, parse_size
 
 __all__ = ["ENGINE_OPTIONS", "ENV_PREFIX", "ServeSettings", "default_database_url", "parse_size"]
-DEMO_MODEL_NAME = "loraplex-demo"
+DEMO_MODEL_NAME = "loraplex-demo"  # the base's name before the command fills in the demo (loraplex.cli.with_demo)
 
 
 def default_database_url(served_model: str) -> str:
@@ -29,9 +29,11 @@ def default_database_url(served_model: str) -> str:
 
 
 class ServeSettings(EngineSettings):
-    model: str | None = Field(None, description="a Hugging Face model directory; default: the embedded demo")
+    model: str | None = Field(
+        None, description="a Hugging Face model directory or a GGUF file; default: the embedded demo"
+    )
     served_model_name: str | None = Field(
-        None, description="the name clients use for the base model (default: --model as given, or loraplex-demo)"
+        None, description="the name clients use for the base model (default: --model as given, or the demo's)"
     )
     lora_modules: list[str] = Field(
         default_factory=list,
