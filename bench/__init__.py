@@ -1,4 +1,6 @@
-"""Client-side serving benchmarks: `loraplex bench serve` and `loraplex bench sweep`, over the real HTTP API.
+"""Benchmarks. Offline (no HTTP): `loraplex bench engine` (engine.py, vs transformers) and `loraplex bench lora`
+(lora.py, multi-LoRA vs peft, or a given model such as the demo); over the real HTTP API: `loraplex bench serve`
+and `loraplex bench sweep`. tokenizer.py trains the small BPE of the random-weight models.
 
 workload.py         prompts, output lengths, the adapter of each request (popularity law), arrival times
 client.py           the target server: /v1/models, one streamed request timed (TTFT, E2E, tokens)
