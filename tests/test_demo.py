@@ -7,6 +7,8 @@ sequence alone. Behaviour: each adapter shows its behaviour on held-out prompts,
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -25,14 +27,13 @@ def llm(demo):
 
 
 @pytest.fixture(scope="module")
-def reference(demo):
+def reference(demo, smollm2_transformers):
     """transformers (dequantizing the same GGUF file) + peft with the three demo adapters."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(demo.model.parent), gguf_file=demo.model.name, dtype=torch.float32)
     names = list(demo.adapters)
-    model = PeftModel.from_pretrained(hf.eval(), str(demo.adapters[names[0]]), adapter_name=names[0])
+    hf = copy.deepcopy(smollm2_transformers)  # peft wraps the modules it is given
+    model = PeftModel.from_pretrained(hf, str(demo.adapters[names[0]]), adapter_name=names[0])
     for name in names[1:]:
         model.load_adapter(str(demo.adapters[name]), adapter_name=name)
     return model.eval()

