@@ -1,7 +1,9 @@
-"""LoRARequest: how a request names its adapter (vLLM's offline convention: a name and a PEFT directory)."""
+"""LoRARequest: how a request names its adapter (vLLM's offline convention: a name and a PEFT directory), and
+the `NAME=PATH` / JSON spec that the command-line flags give one in."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 
@@ -14,3 +16,18 @@ class LoRARequest:
     def key(self) -> tuple[str, str]:
         """What the adapter cache keys on: the same adapter_id with another path is another adapter."""
         return self.adapter_id, self.path
+
+
+def parse_lora_module(spec: str, flag: str = "--lora-modules") -> tuple[str, str]:
+    """`name=path` or vLLM's JSON `{"name": ..., "path": ..., "base_model_name": ...}` -> (name, path)."""
+    spec = spec.strip()
+    if spec.startswith("{"):
+        try:
+            data = json.loads(spec)
+            return str(data["name"]), str(data["path"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{flag}: bad JSON entry {spec!r} (needs name and path): {e}") from None
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"{flag} expects NAME=PATH or JSON, got {spec!r}")
+    return name, path

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from adapters.ref import LoRARequest
+from adapters.ref import LoRARequest, parse_lora_module
 from bench.engine import build_model, workload
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -105,7 +105,10 @@ def given_model_runs(args: argparse.Namespace, prompts: list[list[int]]) -> dict
     """Base-only and a mixed batch over the given adapters, interleaved."""
     if not args.lora:
         raise SystemExit("loraplex bench lora: --model needs at least one --lora NAME=PATH")
-    loras = [LoRARequest(*spec.split("=", 1)) for spec in args.lora]
+    try:
+        loras = [LoRARequest(*parse_lora_module(spec, flag="--lora")) for spec in args.lora]
+    except ValueError as e:
+        raise SystemExit(f"loraplex bench lora: {e}") from None
     rng = random.Random(0)
     mixed = [rng.choice(loras) for _ in prompts]
     common = dict(device="cpu", cpu_threads=args.threads, max_num_seqs=args.num_prompts, enable_prefix_caching=False)

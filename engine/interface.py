@@ -20,6 +20,7 @@ from engine.interface_types import (
     SamplingParams,
     Tier,
     TokenLogprob,
+    parse_lora_module,
 )
 
 __all__ = [
@@ -36,4 +37,5 @@ __all__ = [
     "SamplingParams",
     "Tier",
     "TokenLogprob",
+    "parse_lora_module",
 ]

@@ -14,7 +14,7 @@ from typing import Literal
 
 from adapters.lora_weights import LoRAWeights
 from adapters.peft_config import AdapterError
-from adapters.ref import LoRARequest
+from adapters.ref import LoRARequest, parse_lora_module
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.request import EngineRequest
@@ -92,4 +92,5 @@ __all__ = [
     "SamplingParams",
     "Tier",
     "TokenLogprob",
+    "parse_lora_module",
 ]

@@ -8,7 +8,6 @@ removes the row at once and frees the device row when the requests still using i
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,21 +40,6 @@ class ModelChoice:
 
 def lora_request(adapter: Adapter) -> LoRARequest:
     return LoRARequest(adapter.adapter_id, adapter.path)
-
-
-def parse_lora_module(spec: str, flag: str = "--lora-modules") -> tuple[str, str]:
-    """`name=path` or vLLM's JSON `{"name": ..., "path": ..., "base_model_name": ...}` -> (name, path)."""
-    spec = spec.strip()
-    if spec.startswith("{"):
-        try:
-            data = json.loads(spec)
-            return str(data["name"]), str(data["path"])
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{flag}: bad JSON entry {spec!r} (needs name and path): {e}") from None
-    name, sep, path = spec.partition("=")
-    if not sep or not name or not path:
-        raise ValueError(f"{flag} expects NAME=PATH or JSON, got {spec!r}")
-    return name, path
 
 
 class AdapterService:

@@ -15,10 +15,10 @@ from pathlib import Path
 from fastapi import FastAPI
 from tqdm import tqdm
 
-from engine.interface import AsyncEngine
+from engine.interface import AsyncEngine, parse_lora_module
 from gateway.accounting import Accounting
 from gateway.adapter_roots import AdapterRoots
-from gateway.adapter_service import AdapterService, parse_lora_module
+from gateway.adapter_service import AdapterService
 from gateway.chat_templates import ChatTemplates
 from gateway.errors import install_error_handlers
 from gateway.limits import make_rate_limiter

@@ -44,8 +44,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 def _lora_request(spec: str, known: dict):
     """NAME=PATH, vLLM's JSON form, or the name of a demo adapter."""
-    from adapters.ref import LoRARequest
-    from gateway.adapter_service import parse_lora_module
+    from adapters.ref import LoRARequest, parse_lora_module
 
     if spec in known:
         return LoRARequest(spec, str(known[spec]))

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
+from adapters.ref import parse_lora_module
 from engine.config import EngineConfig
-from gateway.adapter_service import parse_lora_module
 from gateway.settings import ENGINE_OPTIONS, ENV_PREFIX, ServeSettings, parse_size
 from loraplex.cli import _engine_settings, _settings, build_parser
 
