@@ -7,6 +7,11 @@ ever touched by another thread. Deltas go back to each request's asyncio queue t
 the event loop only ever waits. Reading an adapter from disk, the one slow command, runs on a worker thread and
 only its result is handed to the engine thread.
 
+A request that breaks its step fails alone (the LLMEngine isolates it; its stream raises SequenceFailed). A fault
+no request can be blamed for stops the engine thread: an EngineFault (the model fails its self-test), or
+MAX_FAILED_STEPS steps in a row raising out of the LLMEngine. Then `is_alive` turns False, one line is logged, and
+every open stream and every pending or later command fails with EngineStopped.
+
 Verbs: `generate`, `abort`, `validate`; adapters `add_adapter` (disk -> host memory), `remove_adapter` (forget
 everywhere), `load_adapter` (-> a device row), `unload_adapter` (device row -> host), `pin_adapter` /
 `unpin_adapter`, `tier`, `digest`; `stats()`. Read-only facts: `tokenizer`, `max_model_len`, `is_alive`.
@@ -32,7 +37,7 @@ from engine.interface_types import (
     RequestOutput,
     Tier,
 )
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import EngineFault, LLMEngine
 
 if TYPE_CHECKING:
     from adapters.cache import HostAdapter
@@ -41,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 _STOP = object()
 IDLE_POLL_S = 0.002
+MAX_FAILED_STEPS = 3  # steps in a row raising with no request to blame before the engine thread stops
 T = TypeVar("T")
 
 
@@ -65,6 +71,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (callable, Future) run on the engine thread
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
+        self._stop_reason = "it was shut down"
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self._thread.start()
 
@@ -90,7 +97,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self._loop()
-        except BaseException:
+        except BaseException as e:
+            self._stop_reason = f"it died: {e!r}"
             logger.exception("the engine thread died")
         finally:
             self._stopped.set()
@@ -99,6 +107,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         engine = self._engine
         idle = False  # the last step had nothing to run (say, every waiting request's adapter is loading)
+        failed_steps = 0  # in a row, raising out of the LLMEngine (which has already failed every request it could)
         while True:
             try:
                 while True:
@@ -119,9 +128,17 @@ class AsyncEngine:
             try:
                 outputs = engine.step()
             except Exception as e:
-                logger.exception("engine step failed; failing every running request")
-                self._fail_all(e)
-                continue
+                failed_steps += 1
+                if isinstance(e, EngineFault):
+                    self._stop_reason = str(e)
+                elif failed_steps < MAX_FAILED_STEPS:
+                    logger.warning("a step raised with no request to blame (%d in a row)", failed_steps, exc_info=e)
+                    continue
+                else:
+                    self._stop_reason = f"{failed_steps} steps in a row raised with no request to blame: {e!r}"
+                logger.error("engine stopped: %s", self._stop_reason, exc_info=e)
+                return
+            failed_steps = 0
             idle = not engine.last_step_ran
             for out in outputs:
                 self._deliver(out)
@@ -132,14 +149,6 @@ class AsyncEngine:
             loop, q = stream
             loop.call_soon_threadsafe(q.put_nowait, out.error if out.error is not None else out)
 
-    def _fail_all(self, error: Exception) -> None:
-        for request_id in list(self._engine.groups):
-            try:
-                self._engine.abort(request_id)
-            except Exception:  # the engine thread must outlive a broken request
-                logger.exception("aborting request '%s' failed", request_id)
-            self._fail_stream(request_id, error)
-
     def _fail_stream(self, request_id: str, error: Exception) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
@@ -149,15 +158,16 @@ class AsyncEngine:
 
     def _fail_pending(self) -> None:
         """Once the engine thread has stopped: every command still queued and every open stream fails."""
+        stopped = f"the engine thread has stopped: {self._stop_reason}"
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if item is not _STOP:
-                _settle(item[1], error=EngineStopped("the engine thread has stopped"))
+                _settle(item[1], error=EngineStopped(stopped))
         for request_id in list(self._streams):
-            self._fail_stream(request_id, EngineStopped("the engine thread has stopped"))
+            self._fail_stream(request_id, EngineStopped(stopped))
 
     def _call(self, fn: Callable[[], T]) -> Future:
         future: Future = Future()

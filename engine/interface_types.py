@@ -4,7 +4,8 @@ Callers outside engine/ import these through engine/interface.py. Everything her
 ints, strings, lists and dicts (or an exception), so the same surface can be served across a process boundary:
 requests in (`EngineRequest` with its `SamplingParams` and `LoRARequest`), outputs back (`RequestOutput` of
 `CompletionOutput`s), what an adapter is (`AdapterInfo`), the engine's state (`EngineSnapshot`), and the errors a
-request or an adapter can fail with (`ValueError` for a bad request, `AdapterError` for a bad adapter).
+request or an adapter can fail with (`ValueError` for a bad request, `AdapterError` for a bad adapter,
+`SequenceFailed` for a request that broke its own step while the others went on).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from adapters.lora_weights import LoRAWeights
 from adapters.peft_config import AdapterError
 from adapters.ref import LoRARequest, parse_lora_module
 from engine.config import EngineConfig
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.outputs import CompletionOutput, RequestOutput, SequenceFailed, TokenLogprob
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 
@@ -90,6 +91,7 @@ __all__ = [
     "LoRARequest",
     "RequestOutput",
     "SamplingParams",
+    "SequenceFailed",
     "Tier",
     "TokenLogprob",
     "parse_lora_module",

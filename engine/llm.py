@@ -45,7 +45,8 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion in one continuous batch; outputs come back in prompt order.
-        `lora_request`: one adapter for every prompt, or one (or None) per prompt."""
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt. A request that failed alone
+        (its adapter could not load, its numbers went non-finite) comes back with `error` set."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -111,3 +112,4 @@ def _accumulate(result: RequestOutput, delta: RequestOutput) -> None:
         out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
     result.finished = delta.finished
     result.num_cached_tokens = delta.num_cached_tokens
+    result.error = delta.error if delta.error is not None else result.error  # failed alone: the batch went on

@@ -1,5 +1,12 @@
 """LLMEngine: the synchronous core. One `step()` = schedule → run the model → sample → append and check stops.
 
+One bad request never fails the others. A sequence whose hidden state or logits turn NaN/Inf, or that samples a
+token outside the vocabulary, fails its request alone (SequenceFailed): nothing of that step is committed for it,
+the blocks it wrote are zeroed and freed, and its adapter row is released. A step that raises is run again in halves,
+by request, until the requests that raise alone are found; they fail, the others' results stand. When every
+request of a step failed, a one-token self-test of the base model decides whether the engine itself is broken
+(EngineFault: the AsyncEngine then stops) or the requests were.
+
 Not thread-safe: the offline `LLM` drives it directly, the `AsyncEngine` from its one engine thread.
 """
 
@@ -9,7 +16,7 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,13 +30,18 @@ from engine.gguf_reader import is_gguf, read_gguf
 from engine.interface_types import AdapterInfo, EngineSnapshot, Tier
 from engine.model_loader import load_tokenizer
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.outputs import CompletionOutput, RequestOutput, SequenceFailed, TokenLogprob
 from engine.request import EngineRequest
-from engine.sampler import Sampler, SamplingRow
-from engine.scheduler import Scheduler
+from engine.sampler import NON_FINITE, Sampler
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceGroup
+from engine.step_forward import IsolatedForward, Outcome
 
 logger = logging.getLogger(__name__)
+
+
+class EngineFault(RuntimeError):
+    """The engine itself is broken (the device, the model's weights): no request is to blame for its failed step."""
 
 
 @dataclass(slots=True)
@@ -41,6 +53,7 @@ class StepRecord:
     sampled: list[str]  # request ids that got a token
     finished: list[str]
     num_preempted: int
+    failed: list[str] = field(default_factory=list)  # request ids failed alone (SequenceFailed)
 
 
 @dataclass(slots=True)
@@ -71,6 +84,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.adapter_cache)
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids)
+        self.forward = IsolatedForward(self.runner, self.sampler)
         self.groups: dict[str, SequenceGroup] = {}
         self.pinned_adapters: dict[tuple[str, str], int] = {}  # LoRARequest.key -> adapter_idx held by pin_adapter
         self.stats = EngineStats()
@@ -150,6 +164,7 @@ class LLMEngine:
         output = self.abort(group.request_id)
         if output is not None:
             output.error = error
+            output.finished = True  # also when it failed before its n samples were forked
         return output
 
     def shutdown(self) -> None:
@@ -251,56 +266,104 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one iteration; returns a delta for each request that produced tokens or finished."""
+        """Runs one iteration; returns a delta for each request that produced tokens, finished or failed."""
         batch = self.scheduler.schedule()
-        failed = [self._fail(seq.group, error) for seq, error in self.scheduler.failed]
+        outputs = [self._fail(seq.group, error) for seq, error in self.scheduler.failed]
         self.scheduler.failed.clear()
         self.last_step_ran = not batch.is_empty
         if batch.is_empty:
-            return [f for f in failed if f is not None]
-        sampling_seqs = batch.sampling_seqs()
-        logits = self.runner.execute(batch)  # [S, V]
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.stats.num_prompt_tokens_computed += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-            self.block_manager.commit(seq, n)
-        rows, row_seqs = [], []
-        for i, seq in enumerate(sampling_seqs):
-            for s in [seq, *self._fork(seq)]:
-                rows.append(i)
-                row_seqs.append(s)
-        if len(rows) != len(sampling_seqs):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        sampled = self.sampler(logits, [self._sampling_row(s) for s in row_seqs])
-        deltas: dict[str, list[CompletionOutput]] = {}
+            return [out for out in outputs if out is not None]
+        self.runner.copy_blocks(batch.block_copies)
+        rows = [self._rows_of(seq) if samples else [] for seq, samples in zip(batch.seqs, batch.samples())]
+        results, raised = self.forward.run(batch, rows, step=self.stats.num_steps + 1)
+        failed = {request_id: f"its step raised {e!r}" for request_id, e in raised.items()}
+        vocab_size = self.runner.arch.vocab_size
+        for i, (hidden_finite, tokens) in results.items():
+            bad = [t.token_id for t in tokens if not 0 <= t.token_id < vocab_size]  # NON_FINITE is outside too
+            if bad or not hidden_finite:
+                failed.setdefault(batch.seqs[i].request_id, self._cause(hidden_finite, bad, vocab_size))
+        if failed and len(failed) == len({seq.request_id for seq in batch.seqs}) and not self._self_test():
+            raise EngineFault(f"every request of the step failed and the model fails its self-test: {failed}")
+        outputs += self._fail_alone(batch, failed)
+        deltas, late_failures = self._commit(batch, rows, results, failed)
+        outputs += late_failures
         finished: list[str] = []
-        for seq, token in zip(row_seqs, sampled):
-            deltas.setdefault(seq.request_id, []).append(self._append(seq, token))
-        outputs = [f for f in failed if f is not None]
         for request_id, outs in deltas.items():
             group = self.groups[request_id]
             if group.is_finished:
                 finished.append(request_id)
                 del self.groups[request_id]
             outputs.append(self._request_output(group, outs))
-        self._record(batch, deltas, finished)
-        return outputs
+        self._record(batch, deltas, finished, list(failed))
+        return [out for out in outputs if out is not None]
 
-    def _fork(self, seq: Sequence) -> list[Sequence]:
+    def _rows_of(self, seq: Sequence) -> list[Sequence]:
+        """The seqs that sample from a sampling seq's logits: itself, and after its prompt the n - 1 samples it forks
+        into (made now; they share its blocks once the step is committed)."""
         group = seq.group
         if not group.needs_fork or seq.num_output_tokens:
-            return []
-        children = []
-        for index in range(1, group.params.n):
-            child = self._new_seq(group, index, list(seq.token_ids))
-            self.block_manager.fork(seq, child)
-            self.scheduler.add_running(child)
-            children.append(child)
-        return children
+            return [seq]
+        return [seq, *(self._new_seq(group, index, list(seq.token_ids)) for index in range(1, group.params.n))]
 
     @staticmethod
-    def _sampling_row(seq: Sequence) -> SamplingRow:
-        return SamplingRow(seq.params, seq.group.prompt_token_ids, seq.output_token_ids, seq.generator)
+    def _cause(hidden_finite: bool, bad_token_ids: list[int], vocab_size: int) -> str:
+        if not hidden_finite:
+            return "its hidden states hold NaN or Inf"
+        if bad_token_ids[0] == NON_FINITE:
+            return "its logits hold NaN or Inf (after its sampling parameters were applied)"
+        return f"it sampled token id {bad_token_ids[0]}, outside the vocabulary [0, {vocab_size})"
+
+    def _self_test(self) -> bool:
+        try:
+            return self.runner.self_test()
+        except Exception:
+            logger.exception("the model's self-test raised")
+            return False
+
+    def _fail_alone(self, batch: ScheduledBatch, failed: dict[str, str]) -> list[RequestOutput | None]:
+        """Zeroes the blocks the step wrote for the failed requests' seqs (never committed, so never in the prefix
+        cache; a shared block is copied before anyone writes it), then fails each request."""
+        if not failed:
+            return []
+        bs, written = self.block_manager.block_size, []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.request_id in failed:
+                start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+                written += seq.block_table[start // bs : -(-end // bs)]
+        self.runner.scrub(written)
+        outputs = []
+        for request_id, cause in failed.items():
+            logger.warning("request '%s' failed alone: %s", request_id, cause)
+            outputs.append(self._fail(self.groups[request_id], SequenceFailed(request_id, cause)))
+        return outputs
+
+    def _commit(self, batch, rows, results: dict[int, Outcome], failed: dict[str, str]):
+        """Commits the step for every request that did not fail: K/V computed, new samples forked, tokens appended.
+        Returns each request's deltas, and the outputs of requests whose append raised (it runs per-request code:
+        the detokenizer, stop strings), which fail alone."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.request_id not in failed:
+                if seq.num_computed_tokens < seq.num_prompt_tokens:
+                    self.stats.num_prompt_tokens_computed += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+                self.block_manager.commit(seq, n)
+        for seq, seq_rows in zip(batch.seqs, rows):
+            for child in seq_rows[1:] if seq.request_id not in failed else ():
+                self.block_manager.fork(seq, child)
+                self.scheduler.add_running(child)
+        deltas: dict[str, list[CompletionOutput]] = {}
+        failures: list[RequestOutput | None] = []
+        for i, seq in enumerate(batch.seqs):
+            request_id = seq.request_id
+            if not rows[i] or request_id in failed:
+                continue
+            try:
+                deltas.setdefault(request_id, []).extend(self._append(s, t) for s, t in zip(rows[i], results[i][1]))
+            except Exception as e:
+                logger.exception("appending a token to request '%s' raised; it fails alone", request_id)
+                failed[request_id] = f"appending its token raised {e!r}"
+                deltas.pop(request_id, None)
+                failures.append(self._fail(seq.group, SequenceFailed(request_id, failed[request_id])))
+        return deltas, failures
 
     def _append(self, seq: Sequence, token) -> CompletionOutput:
         """Appends a sampled token, detokenizes it and applies the stop checks."""
@@ -348,7 +411,7 @@ class LLMEngine:
             metrics={"time": time.monotonic()},
         )
 
-    def _record(self, batch, deltas: dict[str, list[CompletionOutput]], finished: list[str]) -> None:
+    def _record(self, batch, deltas: dict[str, list[CompletionOutput]], finished: list[str], failed: list[str]) -> None:
         self.stats.num_steps += 1
         self.step_trace.append(
             StepRecord(
@@ -357,5 +420,6 @@ class LLMEngine:
                 sampled=list(deltas),
                 finished=finished,
                 num_preempted=batch.num_preempted,
+                failed=failed,
             )
         )

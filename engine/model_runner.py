@@ -2,7 +2,8 @@
 
 `execute(batch)` lays the scheduled tokens out flat (prefill tokens first, then one per decode), builds the
 step's metadata once (attention, and LoRA when some token has an adapter), runs the forward pass with it and
-returns logits only for the rows that sample.
+returns logits only for the rows that sample, with whether each seq's last hidden state is finite.
+Block copies (`copy_blocks`) and zeroing a failed sequence's blocks (`scrub`) are the runner's too: it owns the pool.
 """
 
 from __future__ import annotations
@@ -50,11 +51,12 @@ class ModelRunner:
         if config.enable_lora:
             self._enable_lora()
         self.num_blocks = self._num_blocks()
-        # [2, layers, num_blocks, block_size, kv_heads, head_dim]: K and V of every layer in one allocation
+        self.scratch_block = self.num_blocks  # one more block, never a sequence's: `self_test` writes there
+        # [2, layers, num_blocks + 1, block_size, kv_heads, head_dim]: K and V of every layer in one allocation
         self.kv_cache = torch.zeros(
             2,
             self.arch.num_layers,
-            self.num_blocks,
+            self.num_blocks + 1,
             self.block_size,
             self.arch.num_kv_heads,
             self.arch.head_dim,
@@ -124,7 +126,8 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
-        sample_rows: list[int] = []
+        last_rows: list[int] = []  # each seq's last token in the flat batch
+        sample_rows: list[int] = []  # which seqs sample, as indices into last_rows
         token_adapter_idx: list[int] = []
         q_lens, context_lens, block_tables = [], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -138,7 +141,8 @@ class ModelRunner:
             context_lens.append(end)
             block_tables.append(seq.block_table)
             if end == seq.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
+                sample_rows.append(len(last_rows))
+            last_rows.append(len(input_ids) - 1)
         p = batch.num_prefills
         attn = PagedAttentionMeta.build(
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
@@ -152,13 +156,18 @@ class ModelRunner:
         )
         input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
         positions_t = torch.from_numpy(np.concatenate(positions)).to(self.device)  # [T]
-        sample_rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self.device)  # [S]
+        last_rows_t = torch.tensor(last_rows, dtype=torch.long, device=self.device)  # [B]
+        sample_rows_t = None  # every seq samples (all decodes, or whole prompts)
+        if len(sample_rows) < len(last_rows):
+            sample_rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self.device)  # [S]
         lora = None
         if self.adapter_cache is not None and max(token_adapter_idx) != NO_ADAPTER:
             lora = LoraMeta.build(token_adapter_idx, self.device)
-        return input_ids_t, positions_t, StepMeta(attn, lora), sample_rows_t
+        return input_ids_t, positions_t, StepMeta(attn, lora), last_rows_t, sample_rows_t
 
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """The copy-on-write copies (src, dst) a step needs before it runs."""
         if not copies:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
@@ -166,9 +175,39 @@ class ModelRunner:
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Runs one step; returns logits [S, V] (fp32) for the seqs that sample, in batch order."""
-        self._copy_blocks(batch.block_copies)
-        input_ids, positions, meta, sample_rows = self._prepare(batch)
+    def scrub(self, block_ids: list[int]) -> None:
+        """Zeroes the blocks' K and V: what a failed step wrote may be NaN, and attention reads whole blocks, masked
+        slots (a block's unwritten tail, block 0 padding a decode group's tables) included, where a NaN in V still
+        poisons the softmax's weighted sum."""
+        if block_ids:
+            self.kv_cache[:, :, torch.tensor(block_ids, device=self.device)] = 0
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs one step (its block copies already made). Returns logits [S, V] (fp32) for the seqs that sample, in
+        batch order, and finite [B] bool: each seq's last hidden state this step is finite. A NaN or Inf in any K or V
+        the step wrote for a seq reaches that hidden state, which attends to all of them."""
+        input_ids, positions, meta, last_rows, sample_rows = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta)  # [T, H]
-        return self.model.compute_logits(hidden[sample_rows])
+        last = hidden[last_rows]  # [B, H]
+        finite = torch.isfinite(last).all(dim=-1)  # [B]
+        return self.model.compute_logits(last if sample_rows is None else last[sample_rows]), finite
+
+    @torch.inference_mode()
+    def self_test(self) -> bool:
+        """Whether the base model still runs and gives finite logits: one token through it, its K/V in the scratch
+        block that no sequence owns. It tells a broken engine (device, weights) from requests that are each bad."""
+        slot = self.scratch_block * self.block_size
+        attn = PagedAttentionMeta.build(
+            slot_mapping=torch.tensor([slot], device=self.device),
+            block_size=self.block_size,
+            prefill_q_lens=[1],
+            prefill_context_lens=[1],
+            prefill_block_tables=[[self.scratch_block]],
+            decode_context_lens=[],
+            decode_block_tables=[],
+            device=self.device,
+        )
+        token = torch.zeros(1, dtype=torch.long, device=self.device)  # [1]
+        hidden = self.model(token, torch.zeros_like(token), StepMeta(attn))  # [1, H]
+        return bool(torch.isfinite(self.model.compute_logits(hidden)).all())

@@ -5,6 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class SequenceFailed(RuntimeError):
+    """One request failed alone (`RequestOutput.error`): its logits or hidden states turned NaN or Inf, it sampled a
+    token outside the vocabulary, or its step raised. Its blocks and adapter row are freed; other requests go on."""
+
+    def __init__(self, request_id: str, cause: str):
+        super().__init__(f"request '{request_id}' failed: {cause}")
+        self.request_id, self.cause = request_id, cause
+
+    def __reduce__(self):  # pickles (across a process boundary) with both arguments
+        return type(self), (self.request_id, self.cause)
+
+
 @dataclass(slots=True)
 class TokenLogprob:
     token_id: int
@@ -35,7 +47,8 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)
-    error: Exception | None = None  # set when the request failed (e.g. its adapter could not be loaded)
+    error: Exception | None = None  # set when the request failed (its adapter could not be loaded: AdapterError;
+    # the request alone broke its step: SequenceFailed)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,6 +5,9 @@ rows temperature, top-k, top-p, min-p and an inverse-CDF draw. Logprobs are alwa
 logits, before any of that, as vLLM reports them.
 Every step is batched across rows and every op works row by row; only seeded rows draw their uniform
 one row at a time, from their own generator, so a seed gives the same tokens whatever else is batched.
+A row whose logits hold NaN or Inf (as the model gave them, or after penalties and temperature) gets no token:
+its token id is NON_FINITE, and the engine fails that request alone. Its checks are reductions the step makes
+anyway (the greedy max, the cumulative sum of the draw) plus one isfinite over the logits.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from engine.sampling_params import SamplingParams
 
 TOP_CANDIDATES = 256  # top-k / top-p look for their cut, and draw, among this many best tokens first
 NO_LOGPROB = math.nan  # SampledToken.logprob when the row did not ask for logprobs
+NON_FINITE = -1  # SampledToken.token_id of a row whose logits hold NaN or Inf: no token was drawn
 
 
 @dataclass(slots=True)
@@ -32,7 +36,7 @@ class SamplingRow:
 
 @dataclass(slots=True)
 class SampledToken:
-    token_id: int
+    token_id: int  # NON_FINITE: the row's logits held NaN or Inf
     logprob: float  # log_softmax of the raw logits at token_id; NO_LOGPROB unless params.logprobs is set
     top_logprobs: dict[int, float] | None  # params.logprobs best raw tokens, best first; None if unasked
 
@@ -44,9 +48,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         """logits: [B, V], row b sampled for rows[b]. The caller's logits are left untouched."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        finite = torch.isfinite(logits).all(dim=-1)  # [B]: the model gave the row finite logits
         ban_rows, ban_tokens = self._min_tokens_bans(rows, logits.shape[1])
         if not ban_rows and all(_is_plain_greedy(row.params) for row in rows):
-            return [SampledToken(t, NO_LOGPROB, None) for t in logits.argmax(dim=-1).tolist()]
+            token_ids = logits.argmax(dim=-1).masked_fill_(~finite, NON_FINITE)
+            return [SampledToken(t, NO_LOGPROB, None) for t in token_ids.tolist()]
 
         scores = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # [B, V]
         apply_penalties(scores, rows)
@@ -55,10 +61,12 @@ class Sampler:
         greedy_idx = [i for i, row in enumerate(rows) if row.params.is_greedy]
         random_idx = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if greedy_idx:
-            token_ids[greedy_idx] = _select_rows(scores, greedy_idx).argmax(dim=-1)
+            best, token_ids[greedy_idx] = _select_rows(scores, greedy_idx).max(dim=-1)  # max is NaN if any is
+            finite[greedy_idx] &= best.isfinite()  # also +inf from a penalty, or every token banned
         if random_idx:
-            token_ids[random_idx] = sample(_select_rows(scores, random_idx), [rows[i] for i in random_idx])
-        return with_logprobs(logits, token_ids, rows)
+            token_ids[random_idx], drawn = sample(_select_rows(scores, random_idx), [rows[i] for i in random_idx])
+            finite[random_idx] &= drawn
+        return with_logprobs(logits, token_ids.masked_fill_(~finite, NON_FINITE), rows)
 
     def _min_tokens_bans(self, rows: list[SamplingRow], vocab_size: int) -> tuple[list[int], list[int]]:
         """(row, token) pairs to ban: stop_token_ids, and eos unless ignore_eos, while output < min_tokens."""
@@ -118,8 +126,9 @@ def apply_penalties(scores: torch.Tensor, rows: list[SamplingRow]) -> None:
     flat_scores[seen_flat] = seen_scores
 
 
-def sample(scores: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Random rows only. scores: [R, V] float32, changed in place. Returns the sampled token ids [R].
+def sample(scores: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random rows only. scores: [R, V] float32, changed in place. Returns the sampled token ids [R] and whether
+    each row could be drawn from [R] bool (False: its probabilities were NaN, and its token id is meaningless).
     Each filter is a per-row score threshold (top-k / top-p: the lowest kept score; min-p: prob <
     min_p * max_prob <=> score < max_score + log(min_p)). Their max applies them in turn exactly, as
     min-p is relative to the best token, which top-k and top-p keep. Rows whose top-k / top-p cut lies
@@ -132,6 +141,7 @@ def sample(scores: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         min_p = torch.tensor([row.params.min_p for row in rows], device=device).unsqueeze(1)  # [R, 1]
         threshold = scores.amax(dim=-1, keepdim=True) + min_p.log()  # log(0) = -inf drops nothing
     token_ids = torch.empty(num_rows, dtype=torch.long, device=device)  # [R]
+    drawable = torch.empty(num_rows, dtype=torch.bool, device=device)  # [R]
     filtered = [j for j, row in enumerate(rows) if _has_top_k_top_p(row.params, vocab_size)]
     drawn: list[int] = []
     if filtered:
@@ -143,15 +153,15 @@ def sample(scores: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         drawn = [filtered[k] for k in in_best_pos]
         if drawn:
             kept = best[in_best_pos].masked_fill(best[in_best_pos] < threshold[drawn], -math.inf)  # [D, C]
-            picked = draw(kept.softmax(dim=-1), [rows[j] for j in drawn])  # [D], ranks among the C best
+            picked, drawable[drawn] = draw(kept.softmax(dim=-1), [rows[j] for j in drawn])  # [D]: ranks among C
             token_ids[drawn] = best_idx[in_best_pos].gather(1, picked.unsqueeze(1)).squeeze(1)
     whole = sorted(set(range(num_rows)) - set(drawn))
     if whole:
         whole_scores = _select_rows(scores, whole)  # [W, V]
         if bool(threshold[whole].isfinite().any()):
             whole_scores.masked_fill_(whole_scores < threshold[whole], -math.inf)
-        token_ids[whole] = draw(whole_scores.softmax(dim=-1), [rows[j] for j in whole])
-    return token_ids
+        token_ids[whole], drawable[whole] = draw(whole_scores.softmax(dim=-1), [rows[j] for j in whole])
+    return token_ids, drawable
 
 
 def _has_top_k_top_p(params: SamplingParams, vocab_size: int) -> bool:
@@ -206,14 +216,15 @@ def _cut_sorted(
         probs = torch.where((top_k <= num_candidates).unsqueeze(1), probs, full_probs)
     mass_up_to = probs.cumsum(dim=-1)  # [A, C]
     within_p = (mass_up_to - probs < top_p.unsqueeze(1)) | (top_p >= 1).unsqueeze(1)  # [A, C]
-    kept = within_p & ~beyond_k  # a prefix; rank 0 always kept
-    cut = best.gather(1, kept.sum(dim=-1, keepdim=True) - 1)  # [A, 1]
+    kept = within_p & ~beyond_k  # a prefix; rank 0 always kept (but in a NaN row, refused after the draw)
+    cut = best.gather(1, kept.sum(dim=-1, keepdim=True).clamp_(min=1) - 1)  # [A, 1]
     return cut, mass_up_to[:, -1]
 
 
-def draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def draw(probs: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
     """One inverse-CDF draw per row of probs [R, V]. Seeded rows take their uniform from their own
-    generator; the rest share one batched torch.rand. Returns token ids [R]."""
+    generator; the rest share one batched torch.rand. Returns token ids [R] (always in [0, V)), and whether the
+    row's probabilities were finite [R] bool: a NaN anywhere makes its total NaN."""
     cdf = probs.cumsum(dim=-1)  # [R, V]
     total = cdf[:, -1:]  # [R, 1], 1 up to rounding
     uniform = torch.rand(probs.shape[0], 1, device=probs.device)  # [R, 1]
@@ -221,7 +232,8 @@ def draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         if row.generator is not None:
             uniform[j] = torch.rand(1, generator=row.generator, device=row.generator.device)
     target = torch.minimum(uniform * total, total.nextafter(torch.zeros_like(total)))  # stays below total
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)  # first token whose cdf passes target
+    token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)  # first token whose cdf passes target
+    return token_ids.clamp_(max=probs.shape[1] - 1), (total.squeeze(1) > 0) & total.squeeze(1).isfinite()
 
 
 def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
@@ -232,7 +244,8 @@ def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[Samp
     if not idx:
         return sampled
     logprobs = logits[idx].to(torch.float32).log_softmax(dim=-1)  # [L, V]
-    chosen_logprobs = logprobs.gather(1, token_ids[idx].unsqueeze(1)).squeeze(1).tolist()  # [L]
+    chosen_ids = token_ids[idx].clamp(min=0)  # [L]; a NON_FINITE row's logprobs are read, then dropped with it
+    chosen_logprobs = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()  # [L]
     max_top = max(rows[i].params.logprobs for i in idx)
     top_values, top_ids = logprobs.topk(max_top, dim=-1)  # [L, max_top], best first
     top_values, top_ids = top_values.tolist(), top_ids.tolist()

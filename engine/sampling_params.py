@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM: a smaller temperature is sampled greedily
+FLOAT32_MAX = 3.4028234663852886e38  # the sampler works in float32: a larger value becomes inf there
+# The sampler divides a seen token's positive logit by the penalty and multiplies a negative one by it, in float32.
+# A factor of at most 100 either way keeps every logit a model gives finite (|logit| * 100 < FLOAT32_MAX) and covers
+# every useful value (1.0 is off; HF and vLLM suggest 1.0 to 2.0). 1e-300 was accepted before: 0 in float32, so
+# its division made +inf logits and NaN probabilities.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass(slots=True)
@@ -38,6 +46,10 @@ class SamplingParams:
         def bad(param: str, why: str) -> ValueError:
             return ValueError(f"invalid sampling parameter '{param}': {why}")
 
+        for name in FLOAT_FIELDS:  # NaN passes every range check below (each comparison is False): refuse it first
+            value = getattr(self, name)
+            if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+                raise bad(name, f"must be a finite number, got {value}")
         if self.n < 1:
             raise bad("n", f"must be at least 1, got {self.n}")
         if self.temperature < 0:
@@ -52,8 +64,9 @@ class SamplingParams:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", f"must be positive, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise bad("repetition_penalty", f"must be in [{low:g}, {high:g}], got {self.repetition_penalty}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:

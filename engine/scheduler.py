@@ -35,9 +35,12 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def samples(self) -> list[bool]:
+        """Per seq: its every token is computed after this step, so it samples its next token."""
+        return [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
+
     def sampling_seqs(self) -> list[Sequence]:
-        """Seqs whose every token is computed after this step: they sample their next token."""
-        return [s for s, n in zip(self.seqs, self.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
+        return [s for s, samples in zip(self.seqs, self.samples()) if samples]
 
 
 ROW_WAIT_STEPS = 32  # how long younger seqs may keep joining resident adapters while an older one waits

@@ -12,3 +12,11 @@ from engine.llm_engine import LLMEngine
 
 def llm_engine(engine: AsyncEngine) -> LLMEngine:
     return engine._engine
+
+
+def kill_engine_thread(engine: AsyncEngine) -> None:
+    """Ends the engine thread as an engine-wide fault would, without the gateway asking (tests of the watch)."""
+    from engine.async_engine import _STOP
+
+    engine._inbox.put(_STOP)
+    engine._thread.join(timeout=30)

@@ -7,6 +7,7 @@ import torch
 
 from engine.sampler import (
     NO_LOGPROB,
+    NON_FINITE,
     TOP_CANDIDATES,
     Sampler,
     SamplingRow,
@@ -249,3 +250,64 @@ def test_fast_path_and_mixed_batch_at_serving_size(sampler):
     apply_penalties(penalized, rows)
     for token, row_scores in zip(sampler(logits, rows), penalized, strict=True):
         assert token.token_id in row_scores.topk(50).indices.tolist()
+
+
+# ---- issue 15: a poisoned row gets no token, and the rows beside it are untouched -----------------------------
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("temperature", 1e39),  # inf in float32
+        ("top_p", math.nan),
+        ("min_p", math.nan),
+        ("presence_penalty", math.nan),
+        ("frequency_penalty", -math.inf),
+        ("repetition_penalty", math.nan),
+        ("repetition_penalty", 1e-300),  # 0 in float32: a positive logit divided by it is inf
+        ("repetition_penalty", 1e6),
+    ],
+)
+def test_non_finite_or_overflowing_sampling_values_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"^invalid sampling parameter '{field}': "):
+        SamplingParams(**{field: value})
+
+
+def test_repetition_penalty_range_ends_are_accepted():
+    SamplingParams(repetition_penalty=0.01)
+    SamplingParams(repetition_penalty=100)
+
+
+ROW_KINDS = {
+    "plain-greedy": dict(temperature=0),
+    "greedy-penalised": dict(temperature=0, repetition_penalty=1.3, logprobs=2),
+    "random": dict(temperature=1.0, seed=3),
+    "top-k-top-p": dict(temperature=0.7, top_k=5, top_p=0.8, seed=4),
+    "min-p-logprobs": dict(temperature=1.0, min_p=0.1, logprobs=3, seed=5),
+}
+
+
+@pytest.mark.parametrize("kind", ROW_KINDS)
+@pytest.mark.parametrize("poison", [math.nan, math.inf, -math.inf])
+def test_a_row_with_non_finite_logits_gets_no_token_and_the_others_are_unchanged(sampler, kind, poison):
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(8)) * 3
+    rows = lambda: [make_row([1, 2], [3], **ROW_KINDS[kind]) for _ in range(4)]  # noqa: E731 (fresh generators)
+    clean = token_ids(sampler(logits, rows()))
+    poisoned = logits.clone()
+    poisoned[2, 17] = poison
+    got = token_ids(sampler(poisoned, rows()))
+    assert got[2] == NON_FINITE
+    assert got[:2] + got[3:] == clean[:2] + clean[3:]
+    assert all(0 <= t < 300 for t in clean)
+
+
+def test_an_overflow_after_penalties_or_temperature_is_caught(sampler):
+    logits = torch.zeros(2, 50)
+    logits[:, 7] = 1e37  # finite, but a repetition penalty of 0.01 takes it past float32
+    greedy = [make_row([7], [], temperature=0, repetition_penalty=0.01) for _ in range(2)]
+    assert token_ids(sampler(logits, greedy)) == [NON_FINITE] * 2
+    assert token_ids(sampler(logits[:1], [make_row([7], [], temperature=1, repetition_penalty=0.01)])) == [NON_FINITE]
+    hot = torch.zeros(1, 50)
+    hot[0, 3] = 3.3e38
+    assert token_ids(sampler(hot, [make_row(temperature=0.5)])) == [NON_FINITE]  # 6.6e38 after temperature
+    assert token_ids(sampler(hot, [make_row(temperature=1.0)])) == [3]  # finite all along: drawn as usual

@@ -1,0 +1,76 @@
+"""IsolatedForward: one step's model forward and sampling, such that a request that makes it raise is found and
+blamed alone.
+
+The whole batch runs first. If that raises, its requests run again in halves, recursively, until each failure is
+pinned on one request; every part that runs is kept, so a step that raised once is merely retried. A forward
+changes no engine state (it rewrites the same K/V slots), so running a part again is safe.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.model_runner import ModelRunner
+from engine.sampler import SampledToken, Sampler, SamplingRow
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+Outcome = tuple[bool, list[SampledToken]]  # a scheduled seq's result: its hidden state is finite; its rows' tokens
+
+
+def sampling_row(seq: Sequence) -> SamplingRow:
+    return SamplingRow(seq.params, seq.group.prompt_token_ids, seq.output_token_ids, seq.generator)
+
+
+class IsolatedForward:
+    def __init__(self, runner: ModelRunner, sampler: Sampler):
+        self.runner, self.sampler = runner, sampler
+
+    def run(
+        self, batch: ScheduledBatch, rows: list[list[Sequence]], step: int
+    ) -> tuple[dict[int, Outcome], dict[str, Exception]]:
+        """({batch index: Outcome} of the seqs that ran, {request_id: error} of the requests that raise alone).
+        `rows[i]`: the seqs that sample from batch.seqs[i]'s logits (empty: it does not sample this step)."""
+        try:
+            return self._forward(batch, list(range(len(batch.seqs))), rows), {}
+        except Exception as error:
+            by_request: dict[str, list[int]] = {}
+            for i, seq in enumerate(batch.seqs):
+                by_request.setdefault(seq.request_id, []).append(i)
+            logger.warning("step %d raised %r; running its %d requests apart", step, error, len(by_request))
+            results: dict[int, Outcome] = {}
+            raised: dict[str, Exception] = {}
+            self._bisect(batch, rows, list(by_request.values()), error, results, raised)
+            return results, raised
+
+    def _bisect(self, batch, rows, groups: list[list[int]], error: Exception, results: dict, raised: dict) -> None:
+        """`groups` (batch indices, one list per request) raised `error` together: blames it on a lone request, or
+        runs each half apart."""
+        if len(groups) == 1:
+            raised[batch.seqs[groups[0][0]].request_id] = error
+            return
+        for part in (groups[: len(groups) // 2], groups[len(groups) // 2 :]):
+            try:
+                results.update(self._forward(batch, sorted(i for group in part for i in group), rows))
+            except Exception as e:
+                self._bisect(batch, rows, part, e, results, raised)
+
+    def _forward(self, batch: ScheduledBatch, part: list[int], rows: list[list[Sequence]]) -> dict[int, Outcome]:
+        """Runs the model and the sampler on the seqs batch.seqs[part] (ascending)."""
+        if len(part) < len(batch.seqs):
+            batch = ScheduledBatch(
+                seqs=[batch.seqs[i] for i in part],
+                num_new_tokens=[batch.num_new_tokens[i] for i in part],
+                num_prefills=sum(1 for i in part if i < batch.num_prefills),
+            )
+        logits, finite = self.runner.execute(batch)  # [S, V], [B]
+        sampling = [rows[i] for i in part if rows[i]]
+        if any(len(r) > 1 for r in sampling):  # new samples each draw from their parent's row
+            repeat = torch.tensor([len(r) for r in sampling], device=logits.device)
+            logits = logits.repeat_interleave(repeat, dim=0)
+        tokens = iter(self.sampler(logits, [sampling_row(s) for r in sampling for s in r]))
+        return {i: (ok, [next(tokens) for _ in rows[i]]) for i, ok in zip(part, finite.tolist())}
