@@ -115,8 +115,14 @@ class AdapterCache:
             if (layer, module) in weights.weights:
                 lora_a, lora_b, scaling = weights.weights[(layer, module)]  # [r, in], [out, r]
                 r = lora_a.shape[0]
-                a[s * rank : s * rank + r] = lora_a
-                b[offset : offset + lora_b.shape[0], :r] = lora_b * scaling
+                a_rows, b_rows = a[s * rank : s * rank + r], b[offset : offset + lora_b.shape[0], :r]
+                a_rows.copy_(lora_a)
+                b_rows.copy_(lora_b * scaling)
+                if not (a_rows.isfinite().all() and b_rows.isfinite().all()):  # in the serving dtype
+                    raise AdapterError(
+                        f"adapter {weights.name!r}: layer {layer} {module}: lora_A, or lora_B times its scaling "
+                        f"{scaling:g}, overflows {self.dtype}, the dtype it is served in"
+                    )
             offset += shapes[module][1]
         if self.device.type == "cuda":
             a, b = a.pin_memory(), b.pin_memory()

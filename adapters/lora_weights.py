@@ -1,7 +1,8 @@
 """load_lora: a PEFT LoRA directory read into fp32 (A, B, scaling) per (layer, module), after checking all of it.
 
-Nothing is returned, so nothing reaches a device, unless every check passed: files, config, tensor names, pairs,
-shapes against the base model, ranks, finiteness, and agreement between the tensors and adapter_config.json.
+Nothing is returned, so nothing reaches a device, unless every check passed: files, config, tensor names, shapes
+against the base model (first, so an adapter for another base is named as such), pairs, ranks, finiteness, a sane
+scaling, and agreement between the tensors and adapter_config.json.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ logger = logging.getLogger(__name__)
 
 SAFETENSORS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"
+# PEFT's scaling is lora_alpha / r (or / sqrt(r) with rsLoRA): 1 to 2 as usually trained, a few hundred at most (alpha
+# 256 at rank 1). Beyond 1000 the delta outweighs the base layer by orders of magnitude, a mistake or an attack, and
+# scaling * lora_B, folded into the stacked weights in the serving dtype (float16 ends at 65504), may overflow.
+MAX_LORA_SCALING = 1000.0
 
 # base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight, with or without `.default` before `.weight`
 LORA_TENSOR = re.compile(
@@ -56,7 +61,7 @@ def load_lora(
     _check_base_name(config, spec, label)
     tensors, pairs, prefix = _pair_tensors(_read_tensors(directory, label, allow_pickle), spec, label)
     _check_targets(config, set(pairs.values()), prefix, spec, label)
-    weights = _checked_weights(tensors, pairs, config, spec, max_lora_rank, label)
+    weights = _checked_weights(tensors, pairs, config, max_lora_rank, label)
     return LoRAWeights(
         name=name if name is not None else directory.name,
         path=str(path),
@@ -108,6 +113,7 @@ def _pair_tensors(
     pairs: dict[tuple[int, str], str] = {}
     halves: dict[str, set[str]] = {}
     prefixes = set()
+    matches = []
     for stored_name, tensor in stored.items():
         match = LORA_TENSOR.fullmatch(stored_name)
         if match is None:
@@ -116,10 +122,15 @@ def _pair_tensors(
         if name in tensors:
             raise AdapterError(f"adapter {label!r}: tensor {name} is stored twice (with and without '.default')")
         tensors[name] = tensor
-        module, layer = match["module"], int(match["layer"])
-        if module not in spec.module_shapes:
+        if match["module"] not in spec.module_shapes:
             known = ", ".join(spec.module_shapes)
-            raise AdapterError(f"adapter {label!r}: {name} is on module {module}; LoRA is supported on {known}")
+            raise AdapterError(
+                f"adapter {label!r}: {name} is on module {match['module']}; LoRA is supported on {known}"
+            )
+        _check_shape(name, tensor, match["module"], match["ab"], spec, label)
+        matches.append((name, match))
+    for name, match in matches:  # after every shape: an adapter for another base is named so, not by its depth
+        module, layer = match["module"], int(match["layer"])
         if layer >= spec.num_layers:
             raise AdapterError(
                 f"adapter {label!r}: {name} is in layer {layer}, but the base model has {spec.num_layers} layers"
@@ -134,6 +145,26 @@ def _pair_tensors(
     if len(set(pairs.values())) != len(pairs) or len(prefixes) != 1:
         raise AdapterError(f"adapter {label!r}: tensor names do not follow one layout: {sorted(stored)[:4]} ...")
     return tensors, pairs, prefixes.pop()
+
+
+def _check_shape(name: str, t: torch.Tensor, module: str, ab: str, spec: BaseModelSpec, label: str) -> None:
+    """A floating point matrix whose base side (lora_A's inputs, lora_B's outputs) fits the base model's module."""
+    if not t.is_floating_point() or t.ndim != 2:
+        raise AdapterError(
+            f"adapter {label!r}: {name} has dtype {t.dtype} and shape {tuple(t.shape)}; it must be a floating point "
+            "matrix"
+        )
+    in_features, out_features = spec.module_shapes[module]
+    if ab == "lora_A" and t.shape[1] != in_features:
+        raise AdapterError(
+            f"adapter {label!r}: {name} has shape {tuple(t.shape)}, the base model's {module} takes {in_features} "
+            f"inputs, not {t.shape[1]}: the adapter was made for another base model"
+        )
+    if ab == "lora_B" and t.shape[0] != out_features:
+        raise AdapterError(
+            f"adapter {label!r}: {name} has shape {tuple(t.shape)}, the base model's {module} gives {out_features} "
+            f"outputs, not {t.shape[0]}: the adapter was made for another base model"
+        )
 
 
 def _why_unsupported(name: str) -> str:
@@ -166,7 +197,6 @@ def _checked_weights(
     tensors: dict[str, torch.Tensor],
     pairs: dict[tuple[int, str], str],
     config: AdapterConfig,
-    spec: BaseModelSpec,
     max_lora_rank: int,
     label: str,
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]:
@@ -176,28 +206,35 @@ def _checked_weights(
         def fail(problem: str, key: str = key) -> AdapterError:
             return AdapterError(f"adapter {label!r}: {key}.{problem}")
 
-        a, b = _checked_pair(tensors[f"{key}.lora_A"], tensors[f"{key}.lora_B"], module, spec, fail)
+        a, b = _checked_pair(tensors[f"{key}.lora_A"], tensors[f"{key}.lora_B"], fail)
         rank = a.shape[0]
         if rank > max_lora_rank:
             raise fail(f"lora_A has rank {rank}, above the server's max_lora_rank {max_lora_rank}")
         if rank != config.rank_for(key):
             raise fail(f"lora_A has rank {rank}, but adapter_config.json gives r={config.rank_for(key)} for it")
-        weights[layer, module] = a, b, config.scaling_for(key)
+        weights[layer, module] = a, b, _checked_scaling(config, key, label)
     return weights
 
 
-def _checked_pair(
-    lora_a: torch.Tensor, lora_b: torch.Tensor, module: str, spec: BaseModelSpec, fail
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [r, in] and B [out, r] as fp32, once their shapes fit the base module and every value is finite."""
-    for ab, t in (("lora_A", lora_a), ("lora_B", lora_b)):
-        if not t.is_floating_point() or t.ndim != 2:
-            raise fail(f"{ab} has dtype {t.dtype} and shape {tuple(t.shape)}; it must be a floating point matrix")
-    in_features, out_features = spec.module_shapes[module]
-    if lora_a.shape[1] != in_features:
-        raise fail(f"lora_A has shape {tuple(lora_a.shape)}, the base model's {module} takes {in_features} inputs")
-    if lora_b.shape[0] != out_features:
-        raise fail(f"lora_B has shape {tuple(lora_b.shape)}, the base model's {module} gives {out_features} outputs")
+def _checked_scaling(config: AdapterConfig, key: str, label: str) -> float:
+    scaling = config.scaling_for(key)
+    if not abs(scaling) <= MAX_LORA_SCALING:  # NaN fails too
+        r, alpha = config.rank_for(key), config.alpha_for(key)
+        formula = (
+            f"lora_alpha / sqrt(r) = {alpha:g} / sqrt({r})"
+            if config.use_rslora
+            else f"lora_alpha / r = {alpha:g} / {r}"
+        )
+        raise AdapterError(
+            f"adapter {label!r}: {key} has scaling {formula} = {scaling:g}; loraplex serves scalings up to "
+            f"{MAX_LORA_SCALING:g} in magnitude (a larger one swamps the base model, or overflows)"
+        )
+    return scaling
+
+
+def _checked_pair(lora_a: torch.Tensor, lora_b: torch.Tensor, fail) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [r, in] and B [out, r] (their base sides already checked) as fp32, once their ranks agree and every value is
+    finite."""
     if lora_b.shape[1] != lora_a.shape[0]:
         raise fail(f"lora_B has shape {tuple(lora_b.shape)}, its rank differs from lora_A's {lora_a.shape[0]}")
     a, b = lora_a.to(torch.float32).contiguous(), lora_b.to(torch.float32).contiguous()
