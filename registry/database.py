@@ -1,5 +1,5 @@
 """RegistryDatabase: the registry as a running gateway holds it: one connection pool and one repository per table
-(adapters, tenants, API keys, usage rollups), a liveness check, and closing.
+(adapters, tenants, API keys, usage rollups), a liveness check, the schema's revision, and closing.
 
 Every SQL statement the gateway causes is in these repositories; the gateway passes them around, never sessions.
 """
@@ -28,6 +28,11 @@ class RegistryDatabase:
         """Raises when the database cannot be reached."""
         async with self.engine.connect() as connection:
             await connection.execute(text("SELECT 1"))
+
+    async def schema_revision(self) -> str | None:
+        """The Alembic revision the database is at (None: never migrated); raises when it cannot be read."""
+        async with self.engine.connect() as connection:
+            return (await connection.execute(text("SELECT version_num FROM alembic_version"))).scalar()
 
     async def close(self) -> None:
         await self.engine.dispose()

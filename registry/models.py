@@ -13,6 +13,8 @@ from sqlalchemy import JSON, BigInteger, Date, DateTime, ForeignKey, Integer, St
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 PUBLIC = None  # Adapter.owner for an adapter every tenant may use
+INTEGER_MAX = 2**31 - 1  # the largest value an Integer column holds on PostgreSQL
+BIGINT_MAX = 2**63 - 1  # ... a BigInteger column (and any SQLite INTEGER)
 
 
 def utcnow() -> dt.datetime:
