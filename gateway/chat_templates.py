@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.errors import APIError
+from gateway.time_budget import BudgetExceeded, run_with_budget
 
 
 def read_template(value: str) -> str:
@@ -39,11 +40,24 @@ def adapter_template(adapter_path: str) -> str | None:
 
 
 class ChatTemplates:
-    def __init__(self, tokenizer, server_template: str | None):
+    """Renders off the event loop within `timeout_s`; a request's own template only with `trust_request_template`
+    (vLLM's `--trust-request-chat-template`): a template is code, and the server's owner decides who may send it."""
+
+    def __init__(
+        self, tokenizer, server_template: str | None, trust_request_template: bool = False, timeout_s: float = 5.0
+    ):
         self.tokenizer = tokenizer
         self.server_template = read_template(server_template) if server_template else None
+        self.trust_request_template, self.timeout_s = trust_request_template, timeout_s
 
     def choose(self, adapter_path: str | None, request_template: str | None) -> str:
+        if request_template and not self.trust_request_template:
+            raise APIError(
+                400,
+                "a per-request chat_template is not accepted by this server (start it with "
+                "--trust-request-chat-template to allow it)",
+                param="chat_template",
+            )
         template = (
             request_template
             or (adapter_template(adapter_path) if adapter_path else None)
@@ -58,7 +72,7 @@ class ChatTemplates:
             )
         return template
 
-    def render(
+    async def render(
         self,
         messages: list[dict[str, Any]],
         adapter_path: str | None,
@@ -67,7 +81,8 @@ class ChatTemplates:
         extra: dict[str, Any] | None = None,
     ) -> str:
         template = self.choose(adapter_path, request_template)
-        try:
+
+        def render() -> str:
             return self.tokenizer.apply_chat_template(
                 messages,
                 chat_template=template,
@@ -75,5 +90,12 @@ class ChatTemplates:
                 add_generation_prompt=add_generation_prompt,
                 **(extra or {}),
             )
+
+        try:
+            return await run_with_budget(render, self.timeout_s, name="chat-template")
+        except BudgetExceeded:
+            raise APIError(
+                400, f"the chat template took longer than {self.timeout_s:g} s to render", param="messages"
+            ) from None
         except Exception as e:  # a template error is the request's (or the template's) problem, named
             raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None

@@ -13,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from registry import errors as registry_errors
+
 logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {
@@ -90,6 +92,24 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
         return error_response(APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
+
+    async def _registry_unavailable(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("registry database error on %s %s: %s", request.method, request.url.path, exc)
+        message = f"the registry database is unavailable, retry later ({registry_errors.describe(exc)})"
+        return error_response(APIError(503, message, code="registry_unavailable", headers={"Retry-After": "5"}))
+
+    async def _registry_bad_value(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(APIError(400, f"the registry refused a value: {registry_errors.describe(exc)}"))
+
+    async def _invalid_unicode(request: Request, exc: UnicodeError) -> JSONResponse:
+        # a safety net behind RequestModel's check: text that cannot be encoded reached a codec
+        return error_response(APIError(400, f"the request holds text that is not valid Unicode: {exc.reason}"))
+
+    for cls in registry_errors.UNAVAILABLE:
+        app.add_exception_handler(cls, _registry_unavailable)
+    for cls in registry_errors.BAD_VALUE:
+        app.add_exception_handler(cls, _registry_bad_value)
+    app.add_exception_handler(UnicodeError, _invalid_unicode)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from engine.interface import AdapterError, AsyncEngine, EngineRequest, RequestOutput
+from engine.interface import AdapterError, AsyncEngine, EngineRequest, EngineStopped, RequestOutput, SequenceFailed
 from gateway.errors import APIError
 from gateway.metrics import Latency, RequestMetrics
 
@@ -46,6 +46,11 @@ def engine_error(error: Exception) -> APIError:
         return error
     if isinstance(error, AdapterError):
         return APIError(422, str(error), param="model", code="adapter_load_failed")
+    if isinstance(error, EngineStopped):
+        return APIError(503, f"the engine has stopped: {error}", code="engine_stopped")
+    if isinstance(error, SequenceFailed):  # this request's numbers went bad; the others ran on
+        logger.error("request failed in the engine: %s", error)
+        return APIError(500, f"the engine failed this request: {error}", code="sequence_failed")
     if isinstance(error, ValueError):
         message = str(error)
         param = "max_tokens" if "context length" in message else "prompt"
@@ -149,24 +154,31 @@ class ClientDisconnected(Exception):
 
 
 async def until_disconnect(request: Request, work: Awaitable):
-    """Awaits `work` unless the client disconnects first; then cancels it (aborting its engine requests)."""
+    """Awaits `work` unless the client disconnects first (then it is cancelled, aborting its engine requests and
+    raising ClientDisconnected) or a server drain reaches its cut (then a 503)."""
     task = asyncio.ensure_future(work)
 
     async def listen() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    watcher = asyncio.ensure_future(listen())
+    watchers = {asyncio.ensure_future(listen())}
+    drain = getattr(request.app.state, "drain", None)
+    if drain is not None:
+        watchers.add(asyncio.ensure_future(drain.cut.wait()))
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, *watchers}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
-        task.cancel()
-        watcher.cancel()
+        for future in (task, *watchers):
+            future.cancel()
         raise
-    watcher.cancel()
+    for watcher in watchers:
+        watcher.cancel()
     if task not in done:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
+        if drain is not None and drain.cut.is_set():
+            raise APIError(503, "the server is shutting down; retry on another replica", code="server_shutting_down")
         raise ClientDisconnected
     return task.result()

@@ -23,7 +23,9 @@ from gateway.errors import APIError, error_body
 from gateway.generation import Generation, UsageCallback, until_disconnect
 from gateway.metrics import GatewayMetrics
 from gateway.openai_format import SSE_DONE, TokenText, chat_logprobs, completion_logprobs, new_id, now, sse
+from gateway.prompt_encoder import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.request_limits import RequestLimits
 
 
 @dataclass(slots=True)
@@ -56,10 +58,17 @@ def _is_empty(delta: CompletionOutput) -> bool:
 
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncEngine, adapters: AdapterService, chat_templates: ChatTemplates, metrics: GatewayMetrics
+        self,
+        engine: AsyncEngine,
+        adapters: AdapterService,
+        chat_templates: ChatTemplates,
+        metrics: GatewayMetrics,
+        limits: RequestLimits,
     ):
         self.engine, self.adapters, self.chat_templates, self.metrics = engine, adapters, chat_templates, metrics
+        self.limits = limits
         self.tokenizer = engine.tokenizer
+        self.prompts = PromptEncoder(self.tokenizer, limits.max_prompt_tokens, engine.max_model_len)
         self.token_text = TokenText(self.tokenizer)
 
     # ---- shared --------------------------------------------------------------------------------------
@@ -142,18 +151,25 @@ class OpenAIServing:
         return sse(error_body(error.status_code, error.message, error.param, error.code))
 
     # ---- completions ---------------------------------------------------------------------------------
-    def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+    async def _completion_prompts(self, prompt, n: int) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
-        return [(p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompt]
+        self.limits.check_sequence_count(len(prompt), n)
+        texts = [p for p in prompt if isinstance(p, str)]
+        encoded = iter(await self.prompts.encode(texts))
+        prompts = [(p, next(encoded)) if isinstance(p, str) else (None, list(p)) for p in prompt]
+        for _, ids in prompts:
+            self.prompts.check_ids(ids)
+        return prompts
 
     async def completions(self, body: CompletionRequest, raw: Request, caller: Caller):
+        self.limits.check_n(body.n)
         params = body.sampling_params(body.max_tokens, body.logprobs)
         choice = await self._choose(body, caller)
         request_id = new_id("cmpl")
-        prompts = self._completion_prompts(body.prompt)
+        prompts = await self._completion_prompts(body.prompt, body.n)
         generation = await self._generation("completions", request_id, prompts, params, choice, caller)
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": choice.model}
         if body.stream:
@@ -214,19 +230,21 @@ class OpenAIServing:
 
     # ---- chat ----------------------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, raw: Request, caller: Caller):
+        self.limits.check_n(body.n)
         params = body.sampling_params(body.requested_max_tokens, body.requested_logprobs)
         choice = await self._choose(body, caller)
         messages = [
             {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
         ]
-        text = self.chat_templates.render(
+        text = await self.chat_templates.render(
             messages,
             choice.adapter.path if choice.adapter is not None else None,
             body.chat_template,
             body.add_generation_prompt,
             body.chat_template_kwargs,
         )
-        ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
+        # the template wrote the special tokens
+        (ids,) = await self.prompts.encode([text], add_special_tokens=False, param="messages")
         request_id = new_id("chatcmpl")
         generation = await self._generation("chat", request_id, [(text, ids)], params, choice, caller)
         if body.stream:

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.interface import SamplingParams
 from gateway.errors import APIError
+from gateway.request_model import RequestModel
 
 NonNegInt = Annotated[int, Field(ge=0)]
 
@@ -27,7 +28,7 @@ class LoRASelection(BaseModel):
     lora_path: str | None = None  # accepted for compatibility; the registry decides the path
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestModel):
     """The sampling knobs shared by completions and chat."""
 
     model_config = ConfigDict(extra="ignore")

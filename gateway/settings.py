@@ -11,8 +11,9 @@ import hashlib
 import os
 import re
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from gateway.engine_settings import ENGINE_OPTIONS, ENV_PREFIX, EngineSettings, parse_size
 
@@ -61,7 +62,29 @@ class ServeSettings(EngineSettings):
     limits_fail_open: bool = Field(True, description="while Redis is unreachable, admit requests (else answer 503)")
     usage_flush_interval: float = Field(10.0, description="seconds between usage flushes into the registry")
     chat_template: str | None = Field(None, description="a Jinja chat template, inline or a file path")
-    timeout_graceful_shutdown: float = Field(30.0, description="seconds running requests get to finish on exit")
+    timeout_graceful_shutdown: float = Field(
+        30.0, description="seconds running requests get to finish on SIGTERM; streams still open then get an error"
+    )
+    # ---- limits on one request (the event loop and the engine stay responsive whatever a body holds) ----
+    max_request_body_bytes: Annotated[int, BeforeValidator(parse_size)] = Field(
+        4 * 2**20, description="largest request body accepted (413 above it), e.g. 4MiB"
+    )
+    max_prompt_tokens: int | None = Field(
+        None, description="longest prompt accepted, in tokens (default: the model's context length)"
+    )
+    max_n: int = Field(128, description="largest `n` (samples per prompt) a request may ask for")
+    max_sequences_per_request: int = Field(1024, description="most sequences (prompts x n) one request may start")
+    trust_request_chat_template: bool = Field(
+        False, description="accept a per-request `chat_template` (vLLM's flag; off: such a request is a 400)"
+    )
+    chat_template_timeout: float = Field(
+        5.0, description="seconds a chat template may take to render before the request gets a 400"
+    )
+    metrics_key: str | None = Field(
+        None,
+        description="credential for /metrics (a scrape-only key); the admin key works too. With neither set, "
+        "/metrics answers loopback clients only",
+    )
     log_level: str = Field("info", description="debug | info | warning | error")
 
     @model_validator(mode="after")

@@ -66,7 +66,7 @@ CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 
         ({"model": "sql", "prompt": "x", "stop": [""]}, 400, "stop", ""),
         ({"model": "sql", "prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
         ({"model": "sql", "prompt": "x", "echo": True}, 400, "echo", ""),
-        ({"model": "sql", "prompt": "x " * 80}, 400, "max_tokens", "maximum context length"),
+        ({"model": "sql", "prompt": "x " * 80}, 400, "prompt", "maximum context length is 64 tokens"),
         ({"model": "sql", "prompt": "x", "max_tokens": 100}, 400, "max_tokens", "maximum context length"),
         ({"model": "sql", "prompt": ""}, 400, "prompt", "empty"),
         ({"model": "sql", "prompt": []}, 400, "prompt", "empty"),
@@ -94,7 +94,7 @@ def test_completions_errors(http, body, status, param, text):
             "messages",
             "image_url",
         ),
-        ({**CHAT, "model": "sql", "chat_template": "{{ broken"}, 400, "messages", "chat template"),
+        ({**CHAT, "model": "sql", "chat_template": "{{ x }}"}, 400, "chat_template", "trust-request-chat-template"),
         ({**CHAT, "model": "missing"}, 404, "model", ""),
     ],
 )

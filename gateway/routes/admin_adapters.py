@@ -6,10 +6,11 @@ Every route needs the admin key. Rows come back as JSON with the adapter's curre
 from __future__ import annotations
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from gateway.auth import AdminDep
 from gateway.errors import APIError
+from gateway.request_model import RequestModel
 from gateway.state import GatewayState, StateDep
 from registry.adapters import ALL_TENANTS
 from registry.models import Adapter
@@ -17,7 +18,7 @@ from registry.models import Adapter
 router = APIRouter(prefix="/admin/adapters", tags=["admin"], dependencies=[AdminDep])
 
 
-class RegisterAdapter(BaseModel):
+class RegisterAdapter(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str

@@ -9,29 +9,31 @@ from __future__ import annotations
 import datetime as dt
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import APIRouter, Path, Query
+from pydantic import ConfigDict, Field
 
 from gateway.auth import AdminDep, hash_key, new_api_key
 from gateway.errors import APIError
+from gateway.request_model import RequestModel
 from gateway.state import GatewayState, StateDep
 from gateway.usage_report import usage_json
 from registry.adapters import ALL_TENANTS, NAME_PATTERN
-from registry.models import ApiKey, Tenant
+from registry.models import BIGINT_MAX, INTEGER_MAX, ApiKey, Tenant
 from registry.tenants import TenantExists
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[AdminDep])
-Limit = Annotated[int | None, Field(ge=1)]
+Limit = Annotated[int | None, Field(ge=1, le=INTEGER_MAX)]  # as the tenants table holds it
+Quota = Annotated[int | None, Field(ge=1, le=BIGINT_MAX)]
 
 
-class TenantLimitsBody(BaseModel):
+class TenantLimitsBody(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
     description: str | None = None
     requests_per_minute: Limit = None
     tokens_per_minute: Limit = None
     max_concurrent_requests: Limit = None
-    token_quota: Limit = None
+    token_quota: Quota = None
     quota_period: Literal["day", "month"] = "day"
 
 
@@ -133,7 +135,7 @@ async def list_keys(name: str, state: StateDep):
 
 
 @router.delete("/tenants/{name}/keys/{key_id}")
-async def revoke_key(name: str, key_id: int, state: StateDep):
+async def revoke_key(name: str, key_id: Annotated[int, Path(ge=1, le=INTEGER_MAX)], state: StateDep):
     key = await state.database.api_keys.revoke(name, key_id)
     if key is None:
         raise APIError(404, f"tenant '{name}' has no key {key_id}", param="key_id")

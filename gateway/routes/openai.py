@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
 
 from gateway.auth import TenantDep
 from gateway.errors import APIError
@@ -19,11 +20,14 @@ from gateway.usage_report import usage_json
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 
-async def _admitted(state: GatewayState, tenant: str | None, handler: Callable[[Caller], Awaitable]):
+async def _admitted(request: Request, state: GatewayState, tenant: str | None, handler: Callable[[Caller], Awaitable]):
     """Runs `handler` under the tenant's limits; the ticket is settled whatever happens."""
     ticket = await state.accounting.admit(tenant)
     try:
-        return await handler(Caller(tenant, ticket))
+        response = await handler(Caller(tenant, ticket))
+        if isinstance(response, StreamingResponse):  # a drain's cut ends it with an error event
+            response.body_iterator = request.app.state.drain.guard_stream(response.body_iterator)
+        return response
     except BaseException as e:
         await ticket.done("", None)  # failed before any generation reported (a no-op if one did)
         if isinstance(e, ClientDisconnected):
@@ -33,12 +37,12 @@ async def _admitted(state: GatewayState, tenant: str | None, handler: Callable[[
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request, state: StateDep, tenant: TenantDep):
-    return await _admitted(state, tenant, lambda caller: state.serving.completions(body, request, caller))
+    return await _admitted(request, state, tenant, lambda caller: state.serving.completions(body, request, caller))
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep, tenant: TenantDep):
-    return await _admitted(state, tenant, lambda caller: state.serving.chat(body, request, caller))
+    return await _admitted(request, state, tenant, lambda caller: state.serving.chat(body, request, caller))
 
 
 @router.get("/usage")

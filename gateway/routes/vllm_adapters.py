@@ -6,22 +6,22 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel
 
 from gateway.auth import AdminDep
 from gateway.errors import APIError
+from gateway.request_model import RequestModel
 from gateway.state import StateDep
 from registry.adapters import ALL_TENANTS
 
 router = APIRouter(prefix="/v1", tags=["vllm"], dependencies=[AdminDep])
 
 
-class LoadLoRAAdapter(BaseModel):
+class LoadLoRAAdapter(RequestModel):
     lora_name: str = ""
     lora_path: str = ""
 
 
-class UnloadLoRAAdapter(BaseModel):
+class UnloadLoRAAdapter(RequestModel):
     lora_name: str = ""
     lora_int_id: int | None = None
 
