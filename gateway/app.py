@@ -19,11 +19,15 @@ from engine.interface import AsyncEngine, parse_lora_module
 from gateway.accounting import Accounting
 from gateway.adapter_roots import AdapterRoots
 from gateway.adapter_service import AdapterService
+from gateway.body_limit import BodyLimit
 from gateway.chat_templates import ChatTemplates
 from gateway.errors import install_error_handlers
+from gateway.lifecycle import Drain, watch_engine
 from gateway.limits import make_rate_limiter
 from gateway.metrics import ErrorCounter, GatewayMetrics
 from gateway.openai_serving import OpenAIServing
+from gateway.redis_persistence import warn_unless_persistent
+from gateway.request_limits import RequestLimits
 from gateway.routes import admin_adapters, admin_tenants, health, metrics, openai, vllm_adapters
 from gateway.routes.health import package_version
 from gateway.settings import ServeSettings
@@ -56,7 +60,11 @@ async def start(settings: ServeSettings) -> GatewayState:
         adapter = await adapters.ensure_registered(name, path)
         logger.info("adapter '%s' ready (%s)", adapter.adapter_id, adapter.path)
     gateway_metrics = GatewayMetrics()
-    serving = OpenAIServing(engine, adapters, ChatTemplates(engine.tokenizer, settings.chat_template), gateway_metrics)
+    limits = RequestLimits.of(settings, engine.max_model_len)
+    templates = ChatTemplates(
+        engine.tokenizer, settings.chat_template, limits.trust_request_chat_template, limits.chat_template_timeout
+    )
+    serving = OpenAIServing(engine, adapters, templates, gateway_metrics, limits)
     store = make_usage_store(settings.redis_url, key_prefix=settings.redis_key_prefix)
     limiter = make_rate_limiter(
         settings.redis_url, fail_open=settings.limits_fail_open, key_prefix=settings.redis_key_prefix
@@ -81,6 +89,8 @@ async def start(settings: ServeSettings) -> GatewayState:
     logger.info(
         "usage and limits: %s", "Redis " + settings.redis_url.split("@")[-1] if settings.redis_url else "in process"
     )
+    if settings.redis_url:
+        await warn_unless_persistent(settings.redis_url)
     if not settings.admin_key:
         logger.info("the admin API is disabled (no --admin-key)")
     return state
@@ -99,9 +109,16 @@ def build_app(settings: ServeSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.gateway = await start(settings)
+        app.state.drain.attach(asyncio.get_running_loop())
+        request_exit = getattr(app.state, "request_exit", None)  # set by gateway.server.Server
+        watch = asyncio.create_task(
+            watch_engine(app.state.gateway.engine, lambda: request_exit(1) if request_exit else None),
+            name="engine-watch",
+        )
         try:
             yield
         finally:
+            watch.cancel()
             await stop(app.state.gateway)
 
     app = FastAPI(
@@ -110,8 +127,10 @@ def build_app(settings: ServeSettings) -> FastAPI:
         description="Multi-LoRA serving: an OpenAI-compatible API over one base model and many adapters.",
         lifespan=lifespan,
     )
+    app.state.drain = Drain()
     install_error_handlers(app)
     app.add_middleware(ErrorCounter)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_body_bytes)
     for module in (openai, vllm_adapters, admin_adapters, admin_tenants, health, metrics):
         app.include_router(module.router)
     return app

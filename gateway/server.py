@@ -1,9 +1,15 @@
-"""Running the gateway under uvicorn: one ready line with the URL, graceful stop on SIGINT / SIGTERM
-(running requests get `timeout_graceful_shutdown` seconds to finish, then the lifespan stops the engine)."""
+"""Running the gateway under uvicorn: one ready line with the URL; on SIGINT / SIGTERM a graceful drain (running
+requests get `timeout_graceful_shutdown` seconds, see gateway/lifecycle.py), then the lifespan stops the engine.
+
+Exit status: 0 after a drain, 1 when the engine thread died (the supervisor should restart the process), 3 when
+the application could not start (uvicorn's own).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -14,11 +20,14 @@ logger = logging.getLogger("loraplex")
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, plus the bound address once listening (tests bind port 0)."""
+    """uvicorn's server, plus the bound address once listening (tests bind port 0), the drain on a stop signal,
+    and an exit status."""
 
     def __init__(self, config: uvicorn.Config, app):
         super().__init__(config)
         self.app = app
+        self.exit_code = 0
+        app.state.request_exit = self.request_exit
 
     @property
     def url(self) -> str:
@@ -30,6 +39,25 @@ class Server(uvicorn.Server):
         if self.started:
             state = self.app.state.gateway
             logger.info("loraplex ready at %s (model %s; API docs at %s/docs)", self.url, state.base_model, self.url)
+
+    def request_exit(self, code: int) -> None:
+        """Stops the server; the process then exits with `code` (the worst one asked for)."""
+        self.exit_code = max(self.exit_code, code)
+        self.should_exit = True
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        drain = getattr(self.app.state, "drain", None)
+        if drain is not None:
+            drain.begin(self.config.timeout_graceful_shutdown or 0.0)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            # uvicorn re-raises the stop signal once it has shut down (exit status -15); the stop it asked for
+            # has happened, cleanly, so the process exits with its own status instead
+            self._captured_signals.clear()
 
 
 def make_server(settings: ServeSettings) -> Server:
@@ -45,5 +73,8 @@ def make_server(settings: ServeSettings) -> Server:
     return Server(config, app)
 
 
-def serve(settings: ServeSettings) -> None:
-    make_server(settings).run()
+def serve(settings: ServeSettings) -> int:
+    """Runs until stopped; returns the process's exit status."""
+    server = make_server(settings)
+    server.run()
+    return server.exit_code

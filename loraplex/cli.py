@@ -95,7 +95,9 @@ def _serve(args: argparse.Namespace) -> None:
     settings = _settings(args)
     if settings.model is not None:
         _check_model(settings.model, "serve")
-    serve(with_demo(settings) if settings.model is None else settings)
+    status = serve(with_demo(settings) if settings.model is None else settings)
+    if status:
+        raise SystemExit(status)
 
 
 def _check_model(model: str, command: str) -> None:

@@ -302,9 +302,11 @@ def test_k8s_deployment():
     service = next(o for o in objects if o["kind"] == "Service")
     assert service["spec"].get("type", "ClusterIP") == "ClusterIP" and service["spec"]["ports"][0]["port"] == 8000
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    paths = {"startupProbe": "/health", "readinessProbe": "/ready", "livenessProbe": "/health"}
+    for probe, path in paths.items():  # liveness is the process alone; readiness also what it needs
         check = container[probe]["httpGet"]
-        assert check["path"] == "/health" and ports.get(check["port"], check["port"]) == 8000
+        assert check["path"] == path and ports.get(check["port"], check["port"]) == 8000
+        assert path in {route.path for route in health_router.routes}
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model loading needs minutes"
     assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
@@ -339,6 +341,7 @@ def test_compose_services():
     assert depends["migrate"]["condition"] == "service_completed_successfully"
     for name in ("postgres", "redis"):
         assert "healthcheck" in services[name]
+    assert "/ready" in " ".join(gateway["healthcheck"]["test"])  # the proxy waits for a ready gateway
     declared = set(compose().get("volumes", {}))
     for svc in services.values():
         for volume in svc.get("volumes", []):

@@ -11,7 +11,9 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.gateway_server import BASE, ServerThread, build_tiny, settings_for
+from tests.gateway_server import ADMIN_KEY, BASE, ServerThread, build_tiny, settings_for
+
+SCRAPER = {"Authorization": f"Bearer {ADMIN_KEY}"}  # /metrics needs a key once one is set
 
 EXACT = {"ignore_eos": True}
 MANY = 480  # tokens: far more than a stream the test leaves after its first chunk
@@ -33,7 +35,7 @@ def api(server):
 
 
 def scrape(server) -> Samples:
-    response = httpx.get(f"{server.url}/metrics", timeout=30)
+    response = httpx.get(f"{server.url}/metrics", headers=SCRAPER, timeout=30)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
     return {
@@ -130,7 +132,9 @@ def test_a_stream_the_client_leaves_counts_as_aborted(server, api):
 
 
 def test_openmetrics_when_asked(server):
-    response = httpx.get(f"{server.url}/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    response = httpx.get(
+        f"{server.url}/metrics", headers={**SCRAPER, "Accept": "application/openmetrics-text; version=1.0.0"}
+    )
     assert response.headers["content-type"].startswith("application/openmetrics-text")
     names = {family.name for family in openmetrics_families(response.text)}
     assert {"loraplex_requests", "loraplex_time_to_first_token_seconds", "loraplex_kv_blocks_used"} <= names

@@ -64,7 +64,7 @@ def test_registered_adapters_survive_a_restart_until_deleted(tiny, registry_url,
         assert first.status_code == 200
         chunks = stream_through_stop(server, signal.SIGTERM)
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # the running stream ended normally
-        assert server.process.wait(timeout=90) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once done
+        assert server.process.wait(timeout=90) == 0  # a clean drain
     assert "loraplex stopped" in log.read_text()  # the lifespan ran to its end: engine and database closed
 
     with ServerProcess(args, log) as server:
@@ -75,7 +75,7 @@ def test_registered_adapters_survive_a_restart_until_deleted(tiny, registry_url,
         assert sorted(a["id"] for a in listed) == ["late@1", "sql@1"]  # --lora-modules did not add a version
         assert httpx.delete(f"{server.url}/admin/adapters/late", headers=ADMIN).status_code == 200
         assert complete(server.url, "late").status_code == 404
-        assert server.stop(signal.SIGINT) in (0, -signal.SIGINT)
+        assert server.stop(signal.SIGINT) == 0
 
     with ServerProcess(args, log) as server:
         assert complete(server.url, "late").status_code == 404

@@ -201,7 +201,7 @@ def test_usage_totals_equal_what_clients_received(server):
     for adapter, expected in (("public", on_public), ("", on_base)):
         assert {k: by_adapter[adapter][k] for k in expected} == expected
     assert report["totals"]["completion_tokens"] == on_public["completion_tokens"] + on_base["completion_tokens"]
-    metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+    metrics = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30).text
     samples = {
         (s.name, s.labels.get("tenant"), s.labels.get("adapter")): s.value
         for family in text_string_to_metric_families(metrics)
