@@ -2,6 +2,7 @@
 
 import os
 
+import httpx
 import pytest
 import torch
 
@@ -81,3 +82,10 @@ def registry_url(request, tmp_path_factory):
     url = create_database(ensure_postgres())
     yield url
     drop_database(url)
+
+
+@pytest.fixture
+def http(server):
+    """An httpx client on the module's own `server` fixture (a ServerProcess or an in-process gateway)."""
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client

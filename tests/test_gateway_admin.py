@@ -54,12 +54,6 @@ def server(tiny, registry_url):
         yield running
 
 
-@pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
-
-
 def complete(http, model: str, **extra) -> httpx.Response:
     return http.post("/v1/completions", json={"model": model, "prompt": "Alice was", "max_tokens": 3, **extra})
 

@@ -37,12 +37,6 @@ def server(tiny):
         yield running
 
 
-@pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
-
-
 CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3}
 
 

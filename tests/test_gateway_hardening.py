@@ -46,12 +46,6 @@ def server(tiny):
         yield running
 
 
-@pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
-
-
 @contextmanager
 def health_watch(url: str):
     """Polls /health from another thread while the block runs; yields the list of (status, seconds) it saw."""
