@@ -6,12 +6,16 @@ enable_lora) are set by the caller."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from engine.cpu_features import half_dtype_support
+
+logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BACKENDS = ("auto", "torch", "triton")  # "auto": triton on CUDA, torch on CPU
 
@@ -24,7 +28,12 @@ def option(default, help: str, choices: tuple[str, ...] = (), size: bool = False
 @dataclass(slots=True)
 class EngineConfig:
     model: str
-    dtype: str = option("auto", "weights and activations (auto: float32 on CPU, bfloat16 on CUDA)", ("auto", *DTYPES))
+    dtype: str = option(
+        "auto",
+        "weights and activations (auto: float32 on CPU, bfloat16 on CUDA; bfloat16 on a CPU without avx512_bf16 "
+        "or AMX is ~20x slower)",
+        ("auto", *DTYPES),
+    )
     device: str = option("auto", "auto | cpu | cuda[:N] (auto: cuda when available)")
     block_size: int = option(16, "tokens per KV-cache block (a power of two)")
     kv_cache_memory: int | None = option(
@@ -57,10 +66,9 @@ class EngineConfig:
             self.cpu_threads = max(1, (os.cpu_count() or 1) - 1)
         if self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be positive, got {self.cpu_threads}")
-        if self.dtype == "auto":
-            self.dtype = "float32" if self.device == "cpu" else "bfloat16"
-        if self.dtype not in DTYPES:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype '{self.dtype}'; choose one of {sorted(DTYPES)}")
+        self.dtype = self._resolve_dtype()
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
         if self.lora_backend == "auto":
@@ -78,6 +86,24 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
                 f"({self.max_num_seqs}): every running sequence must fit one step"
             )
+
+    def _resolve_dtype(self) -> str:
+        """`auto` on CPU is float32, the oracle's precision, logged with whether bfloat16 would be fast here; an
+        explicit half dtype on a CPU without native matmuls for it is honoured, with a warning saying why."""
+        if self.device != "cpu":
+            return "bfloat16" if self.dtype == "auto" else self.dtype
+        if self.dtype == "auto":
+            fast, reason = half_dtype_support("bfloat16")
+            if fast:
+                logger.info("dtype auto: float32 on CPU; %s, so --dtype bfloat16 would be faster here", reason)
+            else:
+                logger.info("dtype auto: float32 on CPU: %s", reason)
+            return "float32"
+        if self.dtype in ("bfloat16", "float16"):
+            fast, reason = half_dtype_support(self.dtype)
+            if not fast:
+                logger.warning("dtype %s requested on CPU, but %s; --dtype float32 is faster here", self.dtype, reason)
+        return self.dtype
 
     @property
     def torch_dtype(self) -> torch.dtype:

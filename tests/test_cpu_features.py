@@ -1,0 +1,58 @@
+"""dtype on CPU: auto is float32 and says why; a half dtype without native matmuls is honoured with a warning."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from engine import cpu_features
+from engine.config import EngineConfig
+from engine.cpu_features import half_dtype_support
+
+AVX2_ONLY = frozenset({"fpu", "sse2", "avx", "avx2", "fma"})
+SAPPHIRE_RAPIDS = AVX2_ONLY | {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16"}
+
+
+def test_half_support_is_read_off_the_flags():
+    assert half_dtype_support("bfloat16", AVX2_ONLY) == (
+        False,
+        "the CPU has none of avx512_bf16, amx_bf16 (bfloat16 matmuls run ~20x slower per FLOP than float32)",
+    )
+    assert half_dtype_support("bfloat16", SAPPHIRE_RAPIDS) == (True, "the CPU has avx512_bf16 and amx_bf16")
+    assert half_dtype_support("float16", SAPPHIRE_RAPIDS)[0] and not half_dtype_support("float16", AVX2_ONLY)[0]
+    assert half_dtype_support("bfloat16", frozenset()) == (False, "the CPU's flags could not be read")
+
+
+def test_cpu_flags_come_from_proc_cpuinfo():
+    flags = cpu_features.cpu_flags()
+    assert not flags or "fpu" in flags  # every x86 CPU lists fpu; other platforms may list nothing
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # EngineConfig checks only that the directory exists
+    return tmp_path
+
+
+@pytest.mark.parametrize("flags", [AVX2_ONLY, SAPPHIRE_RAPIDS], ids=["avx2", "amx"])
+def test_auto_on_cpu_is_float32_and_the_log_says_why(model_dir, monkeypatch, caplog, flags):
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: flags)
+    with caplog.at_level(logging.INFO, logger="engine.config"):
+        assert EngineConfig(model=str(model_dir), device="cpu").dtype == "float32"
+    expected = "would be faster here" if "amx_bf16" in flags else "none of avx512_bf16, amx_bf16"
+    assert "dtype auto: float32" in caplog.text and expected in caplog.text
+
+
+def test_bfloat16_without_native_matmuls_is_kept_with_a_warning_naming_the_reason(model_dir, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: AVX2_ONLY)
+    with caplog.at_level(logging.WARNING, logger="engine.config"):
+        assert EngineConfig(model=str(model_dir), device="cpu", dtype="bfloat16").dtype == "bfloat16"
+    assert "dtype bfloat16 requested on CPU" in caplog.text and "avx512_bf16" in caplog.text
+
+
+def test_bfloat16_with_native_matmuls_gets_no_warning(model_dir, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: SAPPHIRE_RAPIDS)
+    with caplog.at_level(logging.WARNING, logger="engine.config"):
+        EngineConfig(model=str(model_dir), device="cpu", dtype="bfloat16")
+    assert "requested on CPU" not in caplog.text
