@@ -53,6 +53,9 @@ class EngineConfig:
     allow_pickle_adapters: bool = option(False, "accept adapter_model.bin (loaded with weights_only)")
     lora_backend: str = option("auto", "batched-LoRA kernels (auto: triton on CUDA)", BACKENDS)
     seed: int = option(0, "engine seed for unseeded sampling")
+    scheduling_policy: str = option(
+        "fcfs", "admission order: fcfs, or fair across tenants (virtual token counters)", ("fcfs", "fair")
+    )
     cpu_threads: int | None = option(None, "CPU: torch threads (default: every core but one, left to the server)")
 
     def __post_init__(self) -> None:

@@ -26,7 +26,9 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def to_request(self, prompt: Prompt, params: SamplingParams, lora: LoRARequest | None = None) -> EngineRequest:
+    def to_request(
+        self, prompt: Prompt, params: SamplingParams, lora: LoRARequest | None = None, tenant: str | None = None
+    ) -> EngineRequest:
         text = None
         if isinstance(prompt, dict):
             text = prompt.get("prompt")
@@ -35,7 +37,7 @@ class LLM:
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             token_ids = [int(t) for t in prompt]
-        return EngineRequest(str(next(self._ids)), token_ids, params, lora=lora, prompt=text)
+        return EngineRequest(str(next(self._ids)), token_ids, params, lora=lora, tenant=tenant, prompt=text)
 
     def generate(
         self,
@@ -43,9 +45,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tenant: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion in one continuous batch; outputs come back in prompt order.
-        `lora_request`: one adapter for every prompt, or one (or None) per prompt. A request that failed alone
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt; `tenant` likewise (it matters
+        under scheduling_policy="fair"). A request that failed alone
         (its adapter could not load, its numbers went non-finite) comes back with `error` set."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -56,7 +60,10 @@ class LLM:
         loras = lora_request if isinstance(lora_request, list | tuple) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(loras)} lora requests")
-        requests = [self.to_request(p, sp, lora) for p, sp, lora in zip(prompts, params, loras)]
+        tenants = tenant if isinstance(tenant, list | tuple) else [tenant] * len(prompts)
+        if len(tenants) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(tenants)} tenants")
+        requests = [self.to_request(*args) for args in zip(prompts, params, loras, tenants)]
         for request in requests:  # validate all, adapters included, before queueing any
             self.engine.validate(request)
         first_needed = dict.fromkeys(r.lora for r in requests if r.lora is not None)
@@ -112,4 +119,5 @@ def _accumulate(result: RequestOutput, delta: RequestOutput) -> None:
         out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
     result.finished = delta.finished
     result.num_cached_tokens = delta.num_cached_tokens
+    result.metrics, result.adapter_tier = delta.metrics, delta.adapter_tier
     result.error = delta.error if delta.error is not None else result.error  # failed alone: the batch went on

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +122,8 @@ class LLMEngine:
             )
         if request.request_id in self.groups:
             raise ValueError(f"request id '{request.request_id}' is already in use")
+        if not 0 < request.tenant_weight < float("inf"):
+            raise ValueError(f"tenant_weight must be a positive finite number, got {request.tenant_weight}")
         num_prompt = len(request.prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("the prompt is empty: give at least one token")
@@ -408,7 +409,8 @@ class LLMEngine:
             outputs=outputs,
             finished=group.is_finished,
             num_cached_tokens=group.num_cached_tokens or 0,
-            metrics={"time": time.monotonic()},
+            metrics=group.metrics(),
+            adapter_tier=group.adapter_tier,
         )
 
     def _record(self, batch, deltas: dict[str, list[CompletionOutput]], finished: list[str], failed: list[str]) -> None:

@@ -46,7 +46,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)  # time; queue_s, adapter_load_s once scheduled
+    adapter_tier: str | None = None  # where its adapter was on arrival: device, host or disk (None: no adapter)
     error: Exception | None = None  # set when the request failed (its adapter could not be loaded: AdapterError;
     # the request alone broke its step: SequenceFailed)
 

@@ -16,4 +16,5 @@ class EngineRequest:
     lora: LoRARequest | None = None  # None: the base model alone
     adapter_digest: str | None = None  # keys the prefix cache; the engine sets it to the adapter's content digest
     tenant: str | None = None
+    tenant_weight: float = 1.0  # the tenant's share under the fair scheduling policy
     prompt: str | None = None  # the text the ids came from, when there was one

@@ -2,20 +2,24 @@
 
 Iteration-level continuous batching under two budgets (`max_num_seqs`, `max_num_batched_tokens`):
 running sequences go first (decodes, then the next chunk of partly prefilled prompts), then waiting ones
-join in arrival order while blocks and budget last. When the pool runs dry the newest running sequence is
-preempted by recompute: its blocks are freed (their full blocks stay in the prefix cache) and it goes back
-to the head of the waiting queue. Sequences are always served oldest first, so none starves.
+join while blocks and budget last, in the order of the admission policy (engine/fairness.py: arrival order,
+or fair across tenants by virtual token counters; every token handed out is charged to its tenant).
+When the pool runs dry the newest running sequence is preempted by recompute: its blocks are freed (their
+full blocks stay in the prefix cache) and it goes back to the head of the waiting queue. Running sequences
+are always served oldest first, so none starves.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from adapters.cache import AdapterCache
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.fairness import make_policy
 from engine.sequence import NO_ADAPTER, Sequence, SequenceGroup, SequenceStatus
 
 
@@ -57,9 +61,15 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # ordered by arrival
         self.num_preemptions = 0
+        self.policy = make_policy(config.scheduling_policy)
 
     def add(self, seq: Sequence) -> None:
+        self.policy.on_arrival(seq, self.waiting)
         self.waiting.append(seq)
+        lora = seq.group.lora
+        if lora is not None and not self.adapter_cache.is_resident(lora):
+            seq.group.adapter_tier = "host" if self.adapter_cache.on_host(lora) else "disk"
+            self.adapter_cache.prefetch(lora)  # a cold adapter starts loading now, beside the running batch
 
     def add_running(self, seq: Sequence) -> None:
         """A forked sample joins the running batch next to its parent (sharing its request's adapter row)."""
@@ -113,6 +123,9 @@ class Scheduler:
             copies[seq.seq_id] = cp
             picked[seq.seq_id] = num_new
             budget -= num_new
+        for seq in self.running:
+            if seq.seq_id in picked:
+                self._charge(seq, picked[seq.seq_id])
         if not preempted:
             budget, row_blocked = self._admit(budget, picked)
             self._row_wait_steps = self._row_wait_steps + 1 if row_blocked else 0
@@ -126,22 +139,21 @@ class Scheduler:
         younger ones may not take rows before it; for ROW_WAIT_STEPS steps they may still join adapters
         already on a row, after that not even those, so the rows drain and the older seq cannot starve.
         A seq whose request already pins a row (it was preempted) needs no new one."""
-        position, row_blocked = 0, False
-        while position < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[position]
+        row_blocked = False
+        for seq in self.policy.order(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             group, pinned_now = seq.group, False
             if group.lora is not None and group.adapter_idx == NO_ADAPTER:
                 lenient = self._row_wait_steps < ROW_WAIT_STEPS and self.adapter_cache.is_resident(group.lora)
                 if row_blocked and not lenient:
-                    position += 1
                     continue
                 status = self._pin_adapter(seq)
                 if status == "failed":
-                    del self.waiting[position]
+                    self.waiting.remove(seq)
                     continue
                 if status != "ok":
                     row_blocked = row_blocked or status == "no_row"
-                    position += 1
                     continue
                 pinned_now = True
             cached = self.block_manager.find_cached_prefix(seq)
@@ -150,15 +162,25 @@ class Scheduler:
                 if pinned_now:
                     self.release_adapter(group)
                 break
-            del self.waiting[position]
+            self.waiting.remove(seq)
             self.block_manager.allocate(seq, cached, num_new)
             if seq.group.num_cached_tokens is None:  # first admission: what the prefix cache saved
                 seq.group.num_cached_tokens = seq.num_computed_tokens
+                seq.group.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self._insert_running(seq)
+            self._charge(seq, num_new)
             picked[seq.seq_id] = num_new
             budget -= num_new
         return budget, row_blocked
+
+    def _charge(self, seq: Sequence, num_new: int) -> None:
+        """Bills the tokens a seq computes this step to its tenant (prompt tokens as prefill, the rest as decode)."""
+        prefill = max(0, min(num_new, seq.num_prompt_tokens - seq.num_computed_tokens))
+        if prefill:
+            self.policy.charge(seq, prefill, prefill=True)
+        if num_new > prefill:
+            self.policy.charge(seq, num_new - prefill, prefill=False)
 
     def _prefetch_adapters(self) -> None:
         """Starts loading the adapters the queue will want next, oldest first, but only as many as host
@@ -184,6 +206,10 @@ class Scheduler:
             return "failed"
         if row is None:
             return "no_row" if self.adapter_cache.on_host(group.lora) else "loading"
+        if group.adapter_tier is None:
+            group.adapter_tier = "device"
+        else:  # it had to come from host memory or disk: how long that held the request back
+            group.adapter_load_s = time.monotonic() - group.arrival_time
         group.adapter_idx = row
         group.adapter_digest = self.adapter_cache.digest(group.lora)  # the prefix cache's key: content, not name
         return "ok"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
@@ -108,13 +109,26 @@ class SequenceGroup:
         # admission until the request finishes or is aborted, so one request always runs on one adapter version
         self.adapter_idx = NO_ADAPTER
         self.tenant = request.tenant
+        self.tenant_weight = request.tenant_weight
         self.arrival = arrival  # admission order: FCFS and preemption victims follow it
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None  # queue time = first_scheduled_time - arrival_time
+        self.adapter_tier: str | None = None  # where its adapter was when first asked for: device, host or disk
+        self.adapter_load_s = 0.0  # how long it waited for its adapter to reach a device row
         self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at first admission
         self.seqs: list[Sequence] = []
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def metrics(self) -> dict[str, float]:
+        """What a RequestOutput reports: the time, and once scheduled the queue time and the adapter's load wait."""
+        metrics = {"time": time.monotonic()}
+        if self.first_scheduled_time is not None:
+            metrics["queue_s"] = self.first_scheduled_time - self.arrival_time
+            metrics["adapter_load_s"] = self.adapter_load_s
+        return metrics
 
     @property
     def needs_fork(self) -> bool:

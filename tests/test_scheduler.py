@@ -17,9 +17,16 @@ tiny_adapters, loaded = test_adapter_cache.tiny_adapters, test_adapter_cache.loa
 
 
 def make_scheduler(
-    num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, adapter_cache: AdapterCache | None = None
+    num_blocks=64,
+    block_size=4,
+    max_num_seqs=8,
+    max_num_batched_tokens=32,
+    adapter_cache: AdapterCache | None = None,
+    scheduling_policy: str = "fcfs",
 ) -> Scheduler:
-    config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    config = SimpleNamespace(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, scheduling_policy=scheduling_policy
+    )
     return Scheduler(config, BlockManager(num_blocks, block_size), adapter_cache)
 
 
