@@ -10,7 +10,7 @@ request or an adapter can fail with (`ValueError` for a bad request, `AdapterErr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from adapters.lora_weights import LoRAWeights
@@ -75,6 +75,7 @@ class EngineSnapshot:
     preemptions: int
     prompt_tokens_computed: int  # prompt tokens run through the model (prefix-cache hits excluded)
     generated_tokens: int
+    tenant_service: dict[str, float] = field(default_factory=dict)  # weighted tokens computed per tenant ("" = none)
 
     @property
     def kv_blocks_used(self) -> int:

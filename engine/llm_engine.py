@@ -200,6 +200,7 @@ class LLMEngine:
             preemptions=scheduler.num_preemptions,
             prompt_tokens_computed=self.stats.num_prompt_tokens_computed,
             generated_tokens=self.stats.num_generated_tokens,
+            tenant_service=dict(scheduler.policy.service),
         )
 
     # ---- adapters: host memory (disk -> host) and device rows (host -> device) -------------------------

@@ -24,8 +24,9 @@ LIMITS_CACHE_S = 2.0  # a tenant's limits are re-read from the registry at most 
 
 
 class Ticket:
-    def __init__(self, accounting: Accounting, tenant: str | None, request_id: str, limited: bool):
+    def __init__(self, accounting: Accounting, tenant: str | None, request_id: str, limited: bool, weight: float = 1.0):
         self.accounting, self.tenant, self.request_id, self.limited = accounting, tenant, request_id, limited
+        self.weight = weight  # the tenant's share under fair scheduling
         self._done = False
 
     async def done(self, adapter: str, usage: Usage | None) -> None:
@@ -70,7 +71,7 @@ class Accounting:
             return Ticket(self, None, request_id, limited=False)
         limits = await self.limits_of(tenant)
         if limits.unlimited:
-            return Ticket(self, tenant, request_id, limited=False)
+            return Ticket(self, tenant, request_id, limited=False, weight=limits.weight)
         try:
             await self.limiter.admit(tenant, limits, request_id)
         except LimitExceeded as e:
@@ -79,7 +80,7 @@ class Accounting:
             ) from None
         except LimitsUnavailable as e:
             raise APIError(503, f"rate limits cannot be checked right now: {e}", headers={"Retry-After": "1"}) from None
-        return Ticket(self, tenant, request_id, limited=True)
+        return Ticket(self, tenant, request_id, limited=True, weight=limits.weight)
 
     async def close(self) -> None:
         await asyncio.gather(self.store.close(), self.limiter.close(), return_exceptions=True)

@@ -12,6 +12,8 @@ from prometheus_client.registry import Collector
 
 from engine.interface import AsyncEngine, EngineSnapshot
 
+NO_TENANT = "_none"  # the tenant label when auth is off (tenant names start with a letter or digit)
+
 logger = logging.getLogger(__name__)
 SNAPSHOT_TIMEOUT_S = 2.0  # past this (a very long step) the scrape shows the previous snapshot
 
@@ -64,6 +66,15 @@ class EngineCollector(Collector):
         yield _counter(
             "loraplex_adapter_activations", "Adapter copies from host memory to a device row.", s.adapter_activations
         )
+        service = CounterMetricFamily(
+            "loraplex_tenant_service_tokens",
+            "Service each tenant received from the engine, in weighted tokens computed (prompt x1, decode x2: the "
+            "fair policy's virtual token counters before the tenant's weight).",
+            labels=["tenant"],
+        )
+        for tenant, tokens in sorted(s.tenant_service.items()):
+            service.add_metric([tenant or NO_TENANT], tokens)
+        yield service
         evictions = CounterMetricFamily("loraplex_adapter_evictions", "Adapters evicted, by tier.", labels=["tier"])
         evictions.add_metric(["device"], s.adapter_device_evictions)
         evictions.add_metric(["host"], s.adapter_host_evictions)

@@ -19,15 +19,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import choose_encoder
 
 from engine.interface import EngineSnapshot, RequestOutput
-from gateway.engine_metrics import EngineCollector
+from gateway.engine_metrics import NO_TENANT, EngineCollector
 
 if TYPE_CHECKING:
     from gateway.generation import Usage
 
-NO_TENANT = "_none"
 BASE_ADAPTER = "_base"
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+ADAPTER_TIERS = ("device", "host", "disk")  # warmest first
+ADAPTER_LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -37,11 +38,19 @@ class Latency:
 
     start: float = field(default_factory=time.monotonic)
     first_token: float | None = None
+    queue_s: float | None = None  # the longest engine queue time of its prompts (admission to first step)
+    adapter_load_s: float = 0.0  # the longest wait for its adapter to reach a device row
+    adapter_tier: str | None = None  # where its adapter was on arrival: device, host or disk
     # (prompt index, sample index) -> [first token time, last token time, tokens after the first delta]
     _seqs: dict[tuple[int, int], list] = field(default_factory=dict)
 
     def on_delta(self, prompt_index: int, out: RequestOutput) -> None:
         now = time.monotonic()
+        if "queue_s" in out.metrics:
+            self.queue_s = max(self.queue_s or 0.0, out.metrics["queue_s"])
+            self.adapter_load_s = max(self.adapter_load_s, out.metrics["adapter_load_s"])
+        if out.adapter_tier is not None:  # the coldest of its prompts' tiers
+            self.adapter_tier = max(filter(None, (self.adapter_tier, out.adapter_tier)), key=ADAPTER_TIERS.index)
         for delta in out.outputs:
             if not delta.token_ids:
                 continue
@@ -108,6 +117,21 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.queue_time = Histogram(
+            "loraplex_queue_time_seconds",
+            "Per request, by tenant: from reaching the engine to its first scheduled step (adapter loads included).",
+            ["tenant"],
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.adapter_load = Histogram(
+            "loraplex_adapter_load_delay_seconds",
+            "Per request with an adapter: how long its adapter's load held it back, by the tier the adapter was in "
+            "when the request came (device: 0; host: copied to a row; disk: read, validated, copied).",
+            ["tier"],
+            buckets=ADAPTER_LOAD_BUCKETS,
+            registry=self.registry,
+        )
         self.engine = EngineCollector()
         self.registry.register(self.engine)
 
@@ -146,6 +170,10 @@ class RequestMetrics:
         for tpot in latency.tpots():
             m.tpot.observe(tpot)
         m.latency.observe(time.monotonic() - latency.start)
+        if latency.queue_s is not None:
+            m.queue_time.labels(self.tenant).observe(latency.queue_s)
+        if latency.adapter_tier is not None:
+            m.adapter_load.labels(latency.adapter_tier).observe(latency.adapter_load_s)
 
 
 class ErrorCounter:

@@ -27,6 +27,9 @@ from gateway.prompt_encoder import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.request_limits import RequestLimits
 
+ADAPTER_LOAD_HEADER = "x-loraplex-adapter-load-ms"
+ADAPTER_TIER_HEADER = "x-loraplex-adapter-tier"
+
 
 @dataclass(slots=True)
 class Caller:
@@ -35,11 +38,25 @@ class Caller:
     tenant: str | None = None
     ticket: Ticket | None = None
 
+    @property
+    def tenant_weight(self) -> float:
+        return self.ticket.weight if self.ticket is not None else 1.0
+
     def on_done(self, choice: ModelChoice) -> UsageCallback | None:
         if self.ticket is None:
             return None
         ticket = self.ticket
         return lambda usage, completed: ticket.done(choice.adapter_name, usage)
+
+
+def load_headers(generation: Generation) -> dict[str, str]:
+    """How long the adapter's load held the request back (0 for the base model or a resident adapter), and the
+    tier the adapter came from; known once the first delta arrived."""
+    latency = generation.latency
+    headers = {ADAPTER_LOAD_HEADER: str(round(latency.adapter_load_s * 1000))}
+    if latency.adapter_tier is not None:
+        headers[ADAPTER_TIER_HEADER] = latency.adapter_tier
+    return headers
 
 
 @dataclass(slots=True)
@@ -92,6 +109,7 @@ class OpenAIServing:
                 sampling=copy.copy(params),
                 lora=choice.lora,
                 tenant=caller.tenant,
+                tenant_weight=caller.tenant_weight,
                 prompt=text,
             )
             for i, (text, ids) in enumerate(prompts)
@@ -142,8 +160,9 @@ class OpenAIServing:
         return choices
 
     @staticmethod
-    def _stream_response(chunks: AsyncIterator[str]) -> StreamingResponse:
-        return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def _stream_response(chunks: AsyncIterator[str], generation: Generation) -> StreamingResponse:
+        headers = {"Cache-Control": "no-cache", **load_headers(generation)}  # known: the stream was primed
+        return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
 
     async def _error_chunk(self, error: APIError) -> str:
         """A failure after the response started: its status goes in the body (and the error metrics)."""
@@ -174,7 +193,7 @@ class OpenAIServing:
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": choice.model}
         if body.stream:
             stream = await self._primed(generation)
-            return self._stream_response(self._completion_chunks(stream, generation, head, body))
+            return self._stream_response(self._completion_chunks(stream, generation, head, body), generation)
         choices = await until_disconnect(raw, self._run(generation, body.n))
         return JSONResponse(
             {
@@ -192,7 +211,8 @@ class OpenAIServing:
                     for index, c in sorted(choices.items())
                 ],
                 "usage": generation.usage.to_dict(),
-            }
+            },
+            headers=load_headers(generation),
         )
 
     async def _completion_chunks(self, stream, generation: Generation, head: dict, body: CompletionRequest):
@@ -250,7 +270,7 @@ class OpenAIServing:
         if body.stream:
             head = {"id": request_id, "object": "chat.completion.chunk", "created": now(), "model": choice.model}
             stream = await self._primed(generation)
-            return self._stream_response(self._chat_chunks(stream, generation, head, body))
+            return self._stream_response(self._chat_chunks(stream, generation, head, body), generation)
         choices = await until_disconnect(raw, self._run(generation, body.n))
         return JSONResponse(
             {
@@ -269,7 +289,8 @@ class OpenAIServing:
                     for index, c in sorted(choices.items())
                 ],
                 "usage": generation.usage.to_dict(),
-            }
+            },
+            headers=load_headers(generation),
         )
 
     async def _chat_chunks(self, stream, generation: Generation, head: dict, body: ChatCompletionRequest):

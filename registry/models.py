@@ -9,7 +9,19 @@ from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import JSON, BigInteger, Date, DateTime, ForeignKey, Integer, String, Text, UniqueConstraint, func
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Date,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 PUBLIC = None  # Adapter.owner for an adapter every tenant may use
@@ -35,6 +47,7 @@ class Tenant(Base):
     max_concurrent_requests: Mapped[int | None] = mapped_column(Integer)
     token_quota: Mapped[int | None] = mapped_column(BigInteger)  # prompt + completion tokens per quota_period
     quota_period: Mapped[str] = mapped_column(String(8), default="day")  # "day" | "month"
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")  # share under fair scheduling
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow, server_default=func.now())
 
 

@@ -26,6 +26,7 @@ class TenantLimits:
     max_concurrent_requests: int | None = None
     token_quota: int | None = None
     quota_period: str = "day"
+    weight: float = 1.0  # not a limit: the tenant's share under the fair scheduling policy
 
     def __post_init__(self):
         if self.quota_period not in QUOTA_PERIODS:
@@ -40,6 +41,7 @@ class TenantLimits:
             tenant.max_concurrent_requests,
             tenant.token_quota,
             tenant.quota_period or "day",
+            getattr(tenant, "weight", None) or 1.0,
         )
 
     @property

@@ -35,6 +35,7 @@ class TenantLimitsBody(RequestModel):
     max_concurrent_requests: Limit = None
     token_quota: Quota = None
     quota_period: Literal["day", "month"] = "day"
+    weight: Annotated[float, Field(gt=0, le=1000, allow_inf_nan=False)] = 1.0  # share under fair scheduling
 
 
 class CreateTenant(TenantLimitsBody):
@@ -50,6 +51,7 @@ def tenant_json(tenant: Tenant) -> dict:
         "max_concurrent_requests": tenant.max_concurrent_requests,
         "token_quota": tenant.token_quota,
         "quota_period": tenant.quota_period,
+        "weight": tenant.weight,
         "created_at": tenant.created_at.isoformat() if tenant.created_at else None,
     }
 
