@@ -58,7 +58,8 @@ async def start(settings: ServeSettings) -> GatewayState:
     adapters = AdapterService(database.adapters, engine, AdapterRoots(settings.adapter_root), base_model)
     for name, path in tqdm(modules, desc="registering adapters", unit="adapter", disable=not modules):
         adapter = await adapters.ensure_registered(name, path)
-        logger.info("adapter '%s' ready (%s)", adapter.adapter_id, adapter.path)
+        tier = await adapters.warm(adapter) if settings.preload else "disk"
+        logger.info("adapter '%s' ready (%s, %s)", adapter.adapter_id, adapter.path, tier)
     gateway_metrics = GatewayMetrics()
     limits = RequestLimits.of(settings, engine.max_model_len)
     templates = ChatTemplates(

@@ -41,6 +41,11 @@ class ServeSettings(EngineSettings):
         description="adapters registered (public) at startup: name=path or vLLM's JSON "
         '{"name": ..., "path": ..., "base_model_name": ...}',
     )
+    preload: bool = Field(
+        False,
+        description="load every --lora-modules adapter into host memory and a device row at startup, so no first "
+        "request waits for its load",
+    )
     host: str = Field("127.0.0.1", description="address to bind (0.0.0.0 for every interface)")
     port: int = Field(8000, description="port to listen on")
     database_url: str | None = Field(

@@ -26,6 +26,7 @@ class RegisterAdapter(RequestModel):
     version: str | None = None
     description: str | None = None
     owner: str | None = None  # a tenant's name; None: public
+    preload: bool = False  # load it now (host memory, then a device row) so its first request does not wait
 
 
 def adapter_json(adapter: Adapter, tier: str | None = None) -> dict:
@@ -64,7 +65,8 @@ async def register(body: RegisterAdapter, state: StateDep):
     if body.owner is not None and await state.database.tenants.get(body.owner) is None:
         raise APIError(422, f"owner tenant '{body.owner}' does not exist", param="owner")
     adapter = await state.adapters.register(body.name, body.path, body.version, body.description, body.owner)
-    return adapter_json(adapter, await state.adapters.tier(adapter))
+    tier = await state.adapters.warm(adapter) if body.preload else await state.adapters.tier(adapter)
+    return adapter_json(adapter, tier)
 
 
 @router.get("")
