@@ -1,6 +1,7 @@
 """Benchmarks. Offline (no HTTP): `loraplex bench engine` (engine.py, vs transformers) and `loraplex bench lora`
 (lora.py, multi-LoRA vs peft, or a given model such as the demo); over the real HTTP API: `loraplex bench serve`
-and `loraplex bench sweep`. tokenizer.py trains the small BPE of the random-weight models.
+and `loraplex bench sweep`; `loraplex bench fairness` (fairness.py: two tenants under fcfs and fair).
+tokenizer.py trains the small BPE of the random-weight models.
 
 workload.py         prompts, output lengths, the adapter of each request (popularity law), arrival times
 client.py           the target server: /v1/models, one streamed request timed (TTFT, E2E, tokens)

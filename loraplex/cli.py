@@ -83,6 +83,12 @@ def _bench_serve(args: argparse.Namespace) -> None:
     bench_main(args.bench_args)
 
 
+def _bench_fairness(args: argparse.Namespace) -> None:
+    from bench.fairness import main as bench_main
+
+    bench_main(args.bench_args)
+
+
 def _bench_sweep(args: argparse.Namespace) -> None:
     from bench.sweep import main as bench_main
 
@@ -215,6 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
         "sweep", help="throughput vs number of adapters (registers random adapters)", add_help=False
     )
     sweep.set_defaults(func=_bench_sweep)
+    fairness = bench_sub.add_parser(
+        "fairness", help="two tenants at a 10:1 rate under fcfs and fair scheduling", add_help=False
+    )
+    fairness.set_defaults(func=_bench_fairness)
     return parser
 
 

@@ -141,3 +141,17 @@ def _seq(tenant: str, arrival: int):
     seq = Sequence(group, 0, [5, 6], detokenizer=None)
     group.seqs.append(seq)
     return seq
+
+
+def test_the_fairness_benchmark_trace_keeps_the_rate_ratio_and_replays_on_the_engine(base):
+    from bench.fairness import replay, summarize, trace
+
+    arrivals = trace(rate=2.0, ratio=10.0, duration=30.0, vocab=VOCAB)
+    heavy = sum(tenant == "heavy" for _, tenant, _ in arrivals)
+    assert arrivals == sorted(arrivals, key=lambda a: a[0]) and 8 <= heavy / (len(arrivals) - heavy) <= 12
+    engine = LLMEngine(EngineConfig(model=str(base), device="cpu", dtype="float32", scheduling_policy="fair"))
+    few = [(0.0, "heavy", arrivals[0][2]), (0.0, "light", arrivals[1][2])]
+    records = replay(engine, few, [None])
+    assert [r["tokens"] for r in records] == [64, 64]
+    summary = summarize(records, wall=1.0)
+    assert summary["light"]["requests"] == 1 and summary["heavy"]["output_tok_s"] == 64
