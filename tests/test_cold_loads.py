@@ -158,3 +158,26 @@ def test_every_response_says_how_long_its_adapter_load_took_and_preloads_leave_n
     assert complete("poem") == ("device", 0)
     assert httpx.post(f"{server.url}/admin/adapters/chat/load", headers=ADMIN, timeout=60).json()["tier"] == "device"
     assert complete("chat") == ("device", 0)
+
+
+def test_under_fair_a_tenant_whose_adapter_is_loading_does_not_hold_up_the_others(model, monkeypatch):
+    """Tenant A (the smallest counter, first in line) waits for a cold adapter; tenant B's requests run meanwhile."""
+    base, (_, cold) = model
+    config = EngineConfig(
+        model=str(base), device="cpu", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+        num_kv_blocks=128, scheduling_policy="fair",
+    )  # fmt: skip
+    engine = LLMEngine(config)
+    cache = engine.adapter_cache
+    real_read = cache.read
+    monkeypatch.setattr(cache, "read", lambda lora: (time.sleep(SLOW_READ_S), real_read(lora))[1])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
+    engine.add_request(EngineRequest("a", [5, 6, 7], params, lora=cold, tenant="A"))
+    for i in range(3):
+        engine.add_request(EngineRequest(f"b{i}", [8, 9, 10], params, tenant="B"))
+    finished: list[str] = []
+    while engine.has_unfinished:
+        finished += [out.request_id for out in engine.step() if out.finished]
+        if not engine.last_step_ran:
+            time.sleep(0.005)
+    assert finished[-1] == "a" and sorted(finished[:3]) == ["b0", "b1", "b2"], finished
