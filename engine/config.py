@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.cpu_features import half_dtype_support
+from engine.fairness import POLICIES
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,7 +55,7 @@ class EngineConfig:
     lora_backend: str = option("auto", "batched-LoRA kernels (auto: triton on CUDA)", BACKENDS)
     seed: int = option(0, "engine seed for unseeded sampling")
     scheduling_policy: str = option(
-        "fcfs", "admission order: fcfs, or fair across tenants (virtual token counters)", ("fcfs", "fair")
+        "fcfs", "admission order: fcfs, or fair across tenants (virtual token counters)", POLICIES
     )
     cpu_threads: int | None = option(None, "CPU: torch threads (default: every core but one, left to the server)")
 

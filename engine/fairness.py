@@ -25,6 +25,11 @@ def tenant_of(seq: Sequence) -> str:
     return seq.group.tenant or ""
 
 
+def cost(num_tokens: int, prefill: bool) -> float:
+    """The weighted service of `num_tokens` computed tokens, before the tenant's weight."""
+    return num_tokens * (PREFILL_WEIGHT if prefill else DECODE_WEIGHT)
+
+
 class FirstComeFirstServed:
     """Admission in arrival order (the waiting queue's own order); keeps the service tally for metrics."""
 
@@ -38,7 +43,7 @@ class FirstComeFirstServed:
         pass
 
     def charge(self, seq: Sequence, num_tokens: int, prefill: bool) -> None:
-        self.service[tenant_of(seq)] += num_tokens * (PREFILL_WEIGHT if prefill else DECODE_WEIGHT)
+        self.service[tenant_of(seq)] += cost(num_tokens, prefill)
 
 
 class VirtualTokenCounter(FirstComeFirstServed):
@@ -77,8 +82,7 @@ class VirtualTokenCounter(FirstComeFirstServed):
 
     def charge(self, seq: Sequence, num_tokens: int, prefill: bool) -> None:
         super().charge(seq, num_tokens, prefill)
-        cost = num_tokens * (PREFILL_WEIGHT if prefill else DECODE_WEIGHT)
-        self.counters[tenant_of(seq)] += cost / seq.group.tenant_weight
+        self.counters[tenant_of(seq)] += cost(num_tokens, prefill) / seq.group.tenant_weight
 
 
 def make_policy(name: str) -> FirstComeFirstServed:

@@ -74,3 +74,13 @@ def make_adapter(
     peft_model = get_peft_model(copy.deepcopy(hf_model), config)
     peft_model.save_pretrained(str(directory), safe_serialization=safe_serialization)
     return str(directory)
+
+
+def base_with_adapters(directory: Path, tokenizer: PreTrainedTokenizerFast, count: int = 2, r: int = 8):
+    """A random tiny Llama in directory/base and `count` random adapters a0, a1, ... of rank `r` beside it;
+    returns (base path, their LoRARequests)."""
+    from adapters.ref import LoRARequest
+
+    hf = make_model(directory / "base", tokenizer, "llama")
+    loras = [LoRARequest(f"a{i}", make_adapter(hf, directory / f"a{i}", seed=i, r=r)) for i in range(count)]
+    return directory / "base", loras

@@ -21,13 +21,12 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from adapters.ref import LoRARequest
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 from tests.gateway_server import ADMIN_KEY, BASE, ServerThread, build_tiny, settings_for
-from tests.hf_models import make_adapter, make_model
+from tests.hf_models import base_with_adapters
 
 SLOW_READ_S = 1.0
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -35,10 +34,7 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory, tokenizer):
-    directory = tmp_path_factory.mktemp("cold")
-    hf = make_model(directory / "base", tokenizer, "llama")
-    loras = [LoRARequest(f"a{i}", make_adapter(hf, directory / f"a{i}", seed=i, r=8)) for i in range(2)]
-    return directory / "base", loras
+    return base_with_adapters(tmp_path_factory.mktemp("cold"), tokenizer, r=8)
 
 
 def test_a_cold_load_overlaps_the_running_batch_and_reports_its_delay(model, monkeypatch):

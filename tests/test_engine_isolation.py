@@ -14,7 +14,6 @@ from dataclasses import replace
 
 import pytest
 
-from adapters.ref import LoRARequest
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.interface import EngineStopped, SequenceFailed
@@ -22,7 +21,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 from tests.engine_probe import llm_engine
-from tests.hf_models import make_adapter, make_model
+from tests.hf_models import base_with_adapters
 from tests.test_oracle import prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -32,10 +31,7 @@ WAIT_S = 120  # only so that a hang fails the test instead of the run; no test i
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory, tokenizer):
-    directory = tmp_path_factory.mktemp("isolation")
-    hf = make_model(directory / "base", tokenizer, "llama")
-    loras = [LoRARequest(f"a{i}", make_adapter(hf, directory / f"a{i}", seed=i, r=4)) for i in range(2)]
-    return directory / "base", loras
+    return base_with_adapters(tmp_path_factory.mktemp("isolation"), tokenizer, r=4)
 
 
 def make_engine(model, **options) -> LLMEngine:
