@@ -7,7 +7,7 @@ Every step is batched across rows and every op works row by row; only seeded row
 one row at a time, from their own generator, so a seed gives the same tokens whatever else is batched.
 A row whose logits hold NaN or Inf (as the model gave them, or after penalties and temperature) gets no token:
 its token id is NON_FINITE, and the engine fails that request alone. Its checks are reductions the step makes
-anyway (the greedy max, the cumulative sum of the draw) plus one isfinite over the logits.
+anyway (the greedy max, the cumulative sum of the draw) plus one sum per row of the logits (`finite_rows`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,17 @@ class SampledToken:
     top_logprobs: dict[int, float] | None  # params.logprobs best raw tokens, best first; None if unasked
 
 
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[B] bool: row b of logits [B, V] holds no NaN or Inf. One pass: a row's sum is NaN or infinite when any of its
+    values is; only rows whose sum is not finite (a bad value, or finite values whose sum overflowed) are checked
+    value by value. Cheaper than isfinite over [B, V], which takes four passes and a bool copy."""
+    finite = logits.sum(dim=-1).isfinite()  # [B]
+    if not bool(finite.all()):
+        suspect = (~finite).nonzero().squeeze(1)  # [S]
+        finite[suspect] = torch.isfinite(logits.index_select(0, suspect)).all(dim=-1)
+    return finite
+
+
 class Sampler:
     def __init__(self, eos_token_ids: set[int]):
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -48,7 +59,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         """logits: [B, V], row b sampled for rows[b]. The caller's logits are left untouched."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
-        finite = torch.isfinite(logits).all(dim=-1)  # [B]: the model gave the row finite logits
+        finite = finite_rows(logits)  # [B]: the model gave the row finite logits
         ban_rows, ban_tokens = self._min_tokens_bans(rows, logits.shape[1])
         if not ban_rows and all(_is_plain_greedy(row.params) for row in rows):
             token_ids = logits.argmax(dim=-1).masked_fill_(~finite, NON_FINITE)

@@ -12,6 +12,7 @@ from engine.sampler import (
     Sampler,
     SamplingRow,
     apply_penalties,
+    finite_rows,
     top_k_top_p_cut,
 )
 from engine.sampling_params import SamplingParams
@@ -311,3 +312,14 @@ def test_an_overflow_after_penalties_or_temperature_is_caught(sampler):
     hot[0, 3] = 3.3e38
     assert token_ids(sampler(hot, [make_row(temperature=0.5)])) == [NON_FINITE]  # 6.6e38 after temperature
     assert token_ids(sampler(hot, [make_row(temperature=1.0)])) == [3]  # finite all along: drawn as usual
+
+
+def test_finite_rows_flags_exactly_the_rows_holding_nan_or_inf_even_when_a_finite_sum_overflows():
+    logits = torch.zeros(6, 5)
+    logits[1, 2] = math.nan
+    logits[2, 0] = math.inf
+    logits[3, 4] = -math.inf
+    logits[4, 1], logits[4, 3] = math.inf, -math.inf  # their sum is NaN
+    logits[5, :] = 3e38  # finite values whose float32 sum overflows to inf: still a finite row
+    assert finite_rows(logits).tolist() == [True, False, False, False, False, True]
+    assert finite_rows(logits[:1]).tolist() == [True]

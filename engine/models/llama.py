@@ -55,13 +55,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: StepMeta):
         num_tokens = x.shape[0]
-        q, k, v = apply_linear(self.qkv_proj, x, meta.lora).split(self.output_slices, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = apply_linear(self.qkv_proj, x, meta.lora)  # [T, q_size + 2 kv_size]
+        q, k, v = qkv.split(self.output_slices, dim=-1)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))  # [T, Hq, D]
+            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        else:  # q and k side by side in qkv: their heads rotate together, as one [T, Hq + Hkv, D]
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *rope)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = self.attn(q, k, v, meta.attn)  # [T, Hq, D]
         return apply_linear(self.o_proj, out.reshape(num_tokens, self.q_size), meta.lora)
 
