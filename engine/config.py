@@ -19,6 +19,7 @@ from engine.fairness import POLICIES
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BACKENDS = ("auto", "torch", "triton")  # "auto": triton on CUDA, torch on CPU
+ATTENTION_BACKENDS = (*BACKENDS, "cpu")  # "auto" on CPU: cpu (torch + a C++ decode kernel) where it builds
 
 
 def option(default, help: str, choices: tuple[str, ...] = (), size: bool = False):
@@ -46,7 +47,11 @@ class EngineConfig:
     max_num_batched_tokens: int = option(2048, "most tokens in one step")
     max_model_len: int | None = option(None, "context length limit (default: the model's)")
     enable_prefix_caching: bool = option(True, "reuse the KV of shared prompt prefixes (keyed by adapter digest)")
-    attention_backend: str = option("auto", "paged attention kernels (auto: triton on CUDA)", BACKENDS)
+    attention_backend: str = option(
+        "auto",
+        "paged attention kernels (auto: triton on CUDA; on CPU, cpu = torch with a C++ decode kernel where it builds)",
+        ATTENTION_BACKENDS,
+    )
     enable_lora: bool = False
     max_loras: int = option(4, "adapters resident on the device at once (rows of stacked weights)")
     max_lora_rank: int = option(16, "highest adapter rank accepted")
@@ -74,7 +79,9 @@ class EngineConfig:
             raise ValueError(f"unsupported dtype '{self.dtype}'; choose one of {sorted(DTYPES)}")
         self.dtype = self._resolve_dtype()
         if self.attention_backend == "auto":
-            self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
+            self.attention_backend = "triton" if self.device.startswith("cuda") else self._cpu_attention()
+        if self.attention_backend == "cpu" and self.device != "cpu":
+            raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {self.device}")
         if self.lora_backend == "auto":
             self.lora_backend = "triton" if self.device.startswith("cuda") else "torch"
         if self.max_cpu_loras is None:
@@ -90,6 +97,14 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
                 f"({self.max_num_seqs}): every running sequence must fit one step"
             )
+
+    def _cpu_attention(self) -> str:
+        """cpu where its C++ decode kernel builds (once per machine) and the dtype is float32, else torch."""
+        if self.dtype != "float32":
+            return "torch"
+        from kernels.paged_attention import cpu_ops
+
+        return "cpu" if cpu_ops.available() else "torch"
 
     def _resolve_dtype(self) -> str:
         """`auto` on CPU is float32, the oracle's precision, logged with whether bfloat16 would be fast here; an

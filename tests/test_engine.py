@@ -266,3 +266,11 @@ def test_the_cpu_engine_keeps_one_core_free_unless_told(model_dir, monkeypatch):
             EngineConfig(model=str(model_dir), cpu_threads=0)
     finally:
         torch.set_num_threads(before)
+
+
+def test_cpu_attention_is_the_cpp_decode_kernel_where_it_builds(model_dir, cpu_kernel):
+    """auto on CPU: the cpu backend (torch + the C++ decode kernel) for float32 where the kernel builds, else torch."""
+    expected = "cpu" if cpu_kernel is not None else "torch"
+    assert EngineConfig(model=str(model_dir), device="cpu").attention_backend == expected
+    assert EngineConfig(model=str(model_dir), device="cpu", dtype="bfloat16").attention_backend == "torch"
+    assert EngineConfig(model=str(model_dir), device="cpu", attention_backend="torch").attention_backend == "torch"

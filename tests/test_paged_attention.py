@@ -131,7 +131,7 @@ def test_decode_split_into_length_groups_matches_naive_reference(scenario, monke
     torch.testing.assert_close(out, b.expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 @pytest.mark.parametrize("scenario", ["mixed", "causal_prefill"])
 def test_non_contiguous_qkv_and_every_slot_stored(backend, scenario):
     """q, k, v as the model makes them: views into one fused qkv projection."""
@@ -169,6 +169,44 @@ def test_meta_rejects_inconsistent_seqs():
         PagedAttentionMeta.build(slots[:1], 4, [2], [2], [[0]], [], [], "cpu")
     with pytest.raises(ValueError, match="differ in length"):
         PagedAttentionMeta.build(slots, 4, [], [], [], [3, 4], [[0]], "cpu")
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA)
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_cpu_ops_match_naive_reference(scenario, num_heads, num_kv_heads, block_size, require_cpu_kernel):
+    """The C++ decode kernel reads K/V in place: the same outputs as the naive reference, pads zero."""
+    b = make_batch(scenario, num_heads, num_kv_heads, block_size, num_pad=2)
+    out = paged_attention(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.scale, backend="cpu")
+    torch.testing.assert_close(b.k_cache, b.expected_k_cache, rtol=0, atol=0)
+    torch.testing.assert_close(out, b.expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 64, 128])
+def test_cpu_ops_any_head_dim(head_dim, require_cpu_kernel):
+    """Head dims the vectorized path unrolls (multiples of the vector width) and others (its plain loops)."""
+    b = make_batch("long", 8, 2, 16, head_dim=head_dim)
+    out = paged_attention(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.scale, backend="cpu")
+    torch.testing.assert_close(out, b.expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_decode_kernel_refuses_tables_and_lengths_out_of_range(require_cpu_kernel):
+    b = make_batch("decode_only", 4, 2, 4)
+    d = b.meta
+    q = b.q[d.num_prefill_tokens :]
+    bad_table = d.decode_block_tables.clone()
+    bad_table[0, 0] = b.k_cache.shape[0]  # one past the pool
+    with pytest.raises(RuntimeError, match="out of range"):
+        require_cpu_kernel.paged_decode_attention(q, b.k_cache, b.v_cache, bad_table, d.decode_context_lens, b.scale)
+    lens = d.decode_context_lens
+    too_long = lens.clone()
+    too_long[0] = d.decode_block_tables.shape[1] * 4 + 1  # more keys than its table holds
+    with pytest.raises(RuntimeError, match="context_lens"):
+        require_cpu_kernel.paged_decode_attention(q, b.k_cache, b.v_cache, d.decode_block_tables, too_long, b.scale)
+    with pytest.raises(RuntimeError, match="float32"):
+        require_cpu_kernel.paged_decode_attention(
+            q.double(), b.k_cache, b.v_cache, d.decode_block_tables, lens, b.scale
+        )
 
 
 def test_backend_by_name():

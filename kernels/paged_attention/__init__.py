@@ -1,4 +1,5 @@
-"""Paged attention over a block-paged KV cache: a torch backend (reference, CPU) and a Triton one, by name."""
+"""Paged attention over a block-paged KV cache, by backend name: torch (the reference), cpu (torch with a C++ decode
+kernel reading K/V in place) and triton (CUDA)."""
 
 import importlib
 from types import ModuleType
@@ -7,13 +8,13 @@ from torch import Tensor
 
 from .meta import PagedAttentionMeta
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "cpu")
 
 __all__ = ["BACKENDS", "PagedAttentionMeta", "get_paged_attention", "paged_attention"]
 
 
 def get_paged_attention(name: str) -> ModuleType:
-    """The backend module `name` ("torch" | "triton"), with store_kv(k, v, k_cache, v_cache, meta) and
+    """The backend module `name` ("torch" | "triton" | "cpu"), with store_kv(k, v, k_cache, v_cache, meta) and
     attention(q, k_cache, v_cache, meta, scale); Triton is imported only here, on first use."""
     if name not in BACKENDS:
         raise ValueError(f"unknown paged attention backend {name!r}; choose one of {', '.join(BACKENDS)}")

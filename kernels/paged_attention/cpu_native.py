@@ -1,0 +1,57 @@
+"""The C++ paged decode attention for CPU (csrc/paged_decode_cpu.cpp), built once per machine on first use.
+
+torch.utils.cpp_extension compiles it with the machine's C++ compiler (-O3 -march=native) into torch's extension
+cache (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR); later processes load the cached build. Where it cannot
+be built (no compiler or ninja), `load()` returns None once, with a log line, and callers keep the torch path.
+LORAPLEX_CPU_KERNELS=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def load() -> Any:
+    """torch.ops.loraplex with the compiled ops (paged_decode_attention), or None where they cannot be built (or
+    are turned off)."""
+    with _lock:
+        if "module" not in _state:
+            _state["module"] = _build()
+        return _state["module"]
+
+
+def _build() -> Any:
+    if os.environ.get("LORAPLEX_CPU_KERNELS", "1") == "0":
+        logger.info("CPU paged-attention kernel off (LORAPLEX_CPU_KERNELS=0): decode attention gathers K/V in torch")
+        return None
+    start = time.perf_counter()
+    try:
+        import torch
+        from torch.utils.cpp_extension import load as load_extension
+
+        load_extension(
+            name="loraplex_paged_decode_cpu",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,  # registers torch.ops.loraplex.* (no pybind11: a much shorter build)
+            verbose=False,
+        )
+        module = torch.ops.loraplex
+    except Exception as e:  # a compiler, ninja or header problem: any of them means "not here"
+        logger.warning("CPU paged-attention kernel unavailable (%s): decode attention gathers K/V in torch", e)
+        return None
+    elapsed = time.perf_counter() - start
+    if elapsed > 2:
+        logger.info("built the CPU paged-attention kernel in %.0f s (cached for later runs)", elapsed)
+    return module

@@ -1,0 +1,35 @@
+"""Paged attention for CPU: the torch path, with decode attention in C++ reading K/V in place (cpu_native.py).
+
+Decode is where a gather costs most: each step copies every running sequence's whole context out of the pool
+and reads it again, three passes over memory for one. The C++ kernel reads each K/V row once, in place. Prefill
+and the K/V stores are the torch path's (large matmuls there; the copy is a small share).
+"""
+
+import torch
+from torch import Tensor
+
+from . import cpu_native, torch_ops
+from .meta import PagedAttentionMeta
+
+store_kv = torch_ops.store_kv
+
+
+def available() -> bool:
+    return cpu_native.load() is not None
+
+
+def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMeta, scale: float) -> Tensor:
+    """As torch_ops.attention; q: [T, Hq, D] · k_cache, v_cache: [num_blocks, block_size, Hkv, D]."""
+    native = cpu_native.load()
+    if native is None or q.dtype != torch.float32 or q.device.type != "cpu" or not meta.num_decode_seqs:
+        return torch_ops.attention(q, k_cache, v_cache, meta, scale)
+    num_prefill, num_decode = meta.num_prefill_tokens, meta.num_decode_seqs
+    out = torch.empty(q.shape, dtype=q.dtype)  # [T, Hq, D]
+    if num_prefill:
+        out[:num_prefill] = torch_ops.prefill_attention(q, k_cache, v_cache, meta, scale)
+    decode = slice(num_prefill, num_prefill + num_decode)
+    out[decode] = native.paged_decode_attention(
+        q[decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+    )
+    out[num_prefill + num_decode :] = 0
+    return out

@@ -1,0 +1,176 @@
+// Paged decode attention on CPU: one new token per sequence attends to its whole context, read in place from the
+// block pool through its block table (no gathered copy of K/V). Parallel over (sequence, kv head) on torch's own
+// OpenMP team; the q heads sharing a kv head (GQA) read each K/V row once.
+//
+//   q            [S, Hq, D]  float32, any row/head strides, unit stride inside a head
+//   k/v_cache    [num_blocks, block_size, Hkv, D]  float32, contiguous
+//   block_tables [S, max_blocks] int32    context_lens [S] int32 (>= 1)
+//   returns      [S, Hq, D]: softmax(scale * q . K^T) V over keys 0 .. context_len - 1
+
+// ATen's vector types use AVX2 / AVX-512 only when told; -march=native says what this machine has.
+#if defined(__AVX512F__) && !defined(CPU_CAPABILITY_AVX512)
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && !defined(CPU_CAPABILITY_AVX2)
+#define CPU_CAPABILITY_AVX2
+#endif
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+// Softmax numerators of row[0 .. n) in place (exp(x - max)); returns their sum.
+inline float softmax_numerators(float* row, int64_t n) {
+  Vec top_v(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) top_v = at::vec::maximum(top_v, Vec::loadu(row + i));
+  float top = top_v.reduce_max();
+  for (; i < n; ++i) top = std::max(top, row[i]);
+  const Vec top_b(top);
+  Vec sum_v(0.f);
+  for (i = 0; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec e = (Vec::loadu(row + i) - top_b).exp_u20();
+    e.store(row + i);
+    sum_v = sum_v + e;
+  }
+  float sum = sum_v.reduce_add();
+  for (; i < n; ++i) sum += (row[i] = std::exp(row[i] - top));
+  return sum;
+}
+
+// One (sequence, kv head): its `group` q heads against its keys, K/V rows read in place through its block table.
+// kChunks = head_dim / Vec::size(): q and the output row stay in registers.
+template <int64_t kChunks>
+void attend(const float* q_rows, int64_t q_head_stride, int64_t group, const float* k_base, const float* v_base,
+            const int32_t* table, int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t context_len,
+            float scale, float* scores, float* out_rows) {
+  constexpr int64_t kDim = kChunks * Vec::size();
+  for (int64_t g = 0; g < group; ++g) {
+    Vec q[kChunks];
+    for (int64_t c = 0; c < kChunks; ++c) q[c] = Vec::loadu(q_rows + g * q_head_stride + c * Vec::size());
+    float* row = scores + g * context_len;
+    for (int64_t t = 0; t < context_len; ++t) {
+      const float* k = k_base + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+      Vec acc = q[0] * Vec::loadu(k);
+      for (int64_t c = 1; c < kChunks; ++c) acc = at::vec::fmadd(q[c], Vec::loadu(k + c * Vec::size()), acc);
+      row[t] = scale * acc.reduce_add();
+    }
+    const float inv = 1.f / softmax_numerators(row, context_len);
+    Vec out[kChunks];
+    for (int64_t c = 0; c < kChunks; ++c) out[c] = Vec(0.f);
+    for (int64_t t = 0; t < context_len; ++t) {
+      const float* v = v_base + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+      const Vec p(row[t]);
+      for (int64_t c = 0; c < kChunks; ++c) out[c] = at::vec::fmadd(p, Vec::loadu(v + c * Vec::size()), out[c]);
+    }
+    for (int64_t c = 0; c < kChunks; ++c) (out[c] * Vec(inv)).store(out_rows + g * kDim + c * Vec::size());
+  }
+}
+
+// Any head_dim (the templated path covers the common ones): plain loops.
+void attend_any(const float* q_rows, int64_t q_head_stride, int64_t group, int64_t head_dim, const float* k_base,
+                const float* v_base, const int32_t* table, int64_t block_size, int64_t block_stride,
+                int64_t token_stride, int64_t context_len, float scale, float* scores, float* out_rows) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q_rows + g * q_head_stride;
+    float* row = scores + g * context_len;
+    for (int64_t t = 0; t < context_len; ++t) {
+      const float* k = k_base + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+      float dot = 0.f;
+      for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
+      row[t] = scale * dot;
+    }
+    const float inv = 1.f / softmax_numerators(row, context_len);
+    float* o = out_rows + g * head_dim;
+    std::fill(o, o + head_dim, 0.f);
+    for (int64_t t = 0; t < context_len; ++t) {
+      const float* v = v_base + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] += row[t] * v[d];
+    }
+    for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
+  }
+}
+
+}  // namespace
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1, "q: [S, Hq, D] float32");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat,
+              "caches: contiguous [num_blocks, block_size, Hkv, D] float32");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
+              "block_tables, context_lens: contiguous int32");
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head_dim / kv heads mismatch");
+  TORCH_CHECK(block_tables.size(0) == num_seqs && context_lens.size(0) == num_seqs, "one table per sequence");
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
+  const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
+
+  auto out = at::empty({num_seqs, num_heads, head_dim}, q.options());
+  const float* q_ptr = q.data_ptr<float>();
+  const float* k_ptr = k_cache.data_ptr<float>();
+  const float* v_ptr = v_cache.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  float* out_ptr = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size, "context_lens[", s, "] out of range");
+    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b) {
+      const int32_t block = tables[s * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", s, ", ", b, "] = ", block, " out of range");
+    }
+  }
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // [group, context_len]
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / num_kv_heads, h = task % num_kv_heads, context_len = lens[s];
+      scores.resize(group * context_len);
+      const float* q_rows = q_ptr + s * q_seq_stride + h * group * q_head_stride;
+      const float* k_base = k_ptr + h * head_dim;
+      const float* v_base = v_ptr + h * head_dim;
+      const int32_t* table = tables + s * max_blocks;
+      float* out_rows = out_ptr + (s * num_heads + h * group) * head_dim;
+      switch (head_dim / Vec::size() * (head_dim % Vec::size() == 0)) {
+#define LORAPLEX_ATTEND(chunks)                                                                                    \
+  case chunks:                                                                                                     \
+    attend<chunks>(q_rows, q_head_stride, group, k_base, v_base, table, block_size, block_stride, token_stride,     \
+                   context_len, fscale, scores.data(), out_rows);                                                  \
+    break;
+        LORAPLEX_ATTEND(1)
+        LORAPLEX_ATTEND(2)
+        LORAPLEX_ATTEND(4)
+        LORAPLEX_ATTEND(8)
+        LORAPLEX_ATTEND(16)
+#undef LORAPLEX_ATTEND
+        default:
+          attend_any(q_rows, q_head_stride, group, head_dim, k_base, v_base, table, block_size, block_stride,
+                     token_stride, context_len, fscale, scores.data(), out_rows);
+      }
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY(loraplex, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(loraplex, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
