@@ -7,13 +7,13 @@ enable_lora) are set by the caller."""
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from engine.cpu_features import half_dtype_support
+from engine.cpu_threads import usable_cores
 from engine.fairness import POLICIES
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,12 @@ class EngineConfig:
     scheduling_policy: str = option(
         "fcfs", "admission order: fcfs, or fair across tenants (virtual token counters)", POLICIES
     )
-    cpu_threads: int | None = option(None, "CPU: torch threads (default: every core but one, left to the server)")
+    cpu_threads: int | None = option(
+        None, "CPU: most torch threads (default: every usable core but one, left to the server)"
+    )
+    cpu_threads_adapt: bool = option(
+        True, "CPU: shrink the thread team to the cores other processes leave free (checked each second)"
+    )
 
     def __post_init__(self) -> None:
         if not (Path(self.model).is_dir() or (str(self.model).endswith(".gguf") and Path(self.model).is_file())):
@@ -72,7 +77,7 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device '{self.device}' requested but CUDA is not available")
         if self.cpu_threads is None:
-            self.cpu_threads = max(1, (os.cpu_count() or 1) - 1)
+            self.cpu_threads = max(1, usable_cores() - 1)
         if self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be positive, got {self.cpu_threads}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

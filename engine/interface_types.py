@@ -76,6 +76,7 @@ class EngineSnapshot:
     prompt_tokens_computed: int  # prompt tokens run through the model (prefix-cache hits excluded)
     generated_tokens: int
     tenant_service: dict[str, float] = field(default_factory=dict)  # weighted tokens computed per tenant ("" = none)
+    cpu_threads: int = 0  # CPU: the engine's thread team now (sized to the free cores); 0 on CUDA
 
     @property
     def kv_blocks_used(self) -> int:

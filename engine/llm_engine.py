@@ -24,6 +24,7 @@ from adapters.cache import AdapterCache, AdapterCacheStats, HostAdapter
 from adapters.ref import LoRARequest
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.cpu_threads import ThreadGovernor
 from engine.detokenizer import IncrementalDetokenizer
 from engine.gguf_reader import is_gguf, read_gguf
 from engine.interface_types import AdapterInfo, EngineSnapshot, Tier
@@ -66,10 +67,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
+        self.thread_governor: ThreadGovernor | None = None
         if config.device == "cpu":
             # one OpenMP team per core it may keep: a team larger than the free cores stalls at every barrier
             # while a thread is descheduled (measured 5-7x slower with a busy neighbour on 2 cores)
             torch.set_num_threads(config.cpu_threads)
+            if config.cpu_threads_adapt:
+                self.thread_governor = ThreadGovernor(config.cpu_threads)
         self.runner = ModelRunner(config)
         arch = self.runner.arch
         self.max_model_len = min(
@@ -201,6 +205,7 @@ class LLMEngine:
             prompt_tokens_computed=self.stats.num_prompt_tokens_computed,
             generated_tokens=self.stats.num_generated_tokens,
             tenant_service=dict(scheduler.policy.service),
+            cpu_threads=torch.get_num_threads() if self.config.device == "cpu" else 0,
         )
 
     # ---- adapters: host memory (disk -> host) and device rows (host -> device) -------------------------
@@ -269,6 +274,8 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one iteration; returns a delta for each request that produced tokens, finished or failed."""
+        if self.thread_governor is not None:
+            self.thread_governor.tick()
         batch = self.scheduler.schedule()
         outputs = [self._fail(seq.group, error) for seq, error in self.scheduler.failed]
         self.scheduler.failed.clear()

@@ -54,6 +54,10 @@ class EngineCollector(Collector):
         yield _gauge(
             "loraplex_adapters_pinned", "Device adapter rows pinned by running requests.", s.adapter_rows_pinned
         )
+        if s.cpu_threads:
+            yield _gauge(
+                "loraplex_cpu_threads", "CPU: the engine's thread team, sized to the free cores.", s.cpu_threads
+            )
         yield _gauge("loraplex_adapter_device_slots", "Device adapter rows (max_loras).", s.max_loras)
         yield _gauge("loraplex_adapter_host_slots", "Host adapter slots (max_cpu_loras).", s.max_cpu_loras)
         yield SummaryMetricFamily(

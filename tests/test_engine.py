@@ -255,10 +255,10 @@ def test_the_cpu_engine_keeps_one_core_free_unless_told(model_dir, monkeypatch):
     """A busy 2-core box must not stall the engine's OpenMP team: by default it takes every core but one."""
     before = torch.get_num_threads()
     try:
-        monkeypatch.setattr("os.cpu_count", lambda: 4)
+        monkeypatch.setattr("engine.config.usable_cores", lambda: 4)
         LLM(model=str(model_dir), device="cpu", num_kv_blocks=8)
         assert torch.get_num_threads() == 3
-        monkeypatch.setattr("os.cpu_count", lambda: 2)
+        monkeypatch.setattr("engine.config.usable_cores", lambda: 2)
         assert EngineConfig(model=str(model_dir), device="cpu").cpu_threads == 1
         LLM(model=str(model_dir), device="cpu", num_kv_blocks=8, cpu_threads=2)
         assert torch.get_num_threads() == 2

@@ -3,6 +3,7 @@ requests and tokens by adapter, errors by status code, latency histograms, and t
 
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
@@ -107,6 +108,7 @@ def test_engine_gauges_when_idle(server, api):
     assert value(samples, "loraplex_adapters_on_host") >= value(samples, "loraplex_adapters_on_device")
     assert value(samples, "loraplex_adapters_pinned") == 0
     assert value(samples, "loraplex_adapter_device_slots") == 2
+    assert 1 <= value(samples, "loraplex_cpu_threads") <= (os.cpu_count() or 1)
     assert value(samples, "loraplex_adapter_load_seconds_count") >= 2  # both adapters were read from disk
     assert value(samples, "loraplex_adapter_load_seconds_sum") > 0
     assert value(samples, "loraplex_adapter_load_failures_total") == 0

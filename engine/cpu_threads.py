@@ -1,0 +1,93 @@
+"""The engine's OpenMP team on CPU, sized to the cores other processes leave free (between 1 and the configured
+cpu_threads), re-checked about once a second between steps.
+
+Why: a team larger than the free cores stalls at every parallel region while one of its threads waits for a core
+(on 2 cores with one busy neighbour a team of 2 ran 5-7x slower than a team of 1). The team is never bound to
+cores, so the kernel can move it away from a neighbour; it grows back when the neighbour goes.
+
+Load is read from /proc/stat (every process's busy time) minus /proc/self/stat (this process's: the engine and, in
+`loraplex serve`, the gateway beside it), over the last interval. Elsewhere (no /proc) the team stays as configured.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def busy_seconds() -> tuple[float, float]:
+    """(CPU seconds every process has been busy, CPU seconds this process has used), both since boot."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]  # cpu user nice system idle iowait ...
+    ticks = [int(f) for f in fields]
+    machine_busy = sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)  # all but idle and iowait
+    stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    own = int(stat[11]) + int(stat[12])  # utime + stime of every thread of this process
+    return machine_busy / TICKS_PER_S, own / TICKS_PER_S
+
+
+class ThreadGovernor:
+    """Sets torch's intra-op threads to min(max_threads, cores left free by other processes), at least 1."""
+
+    def __init__(
+        self,
+        max_threads: int,
+        interval_s: float = 1.0,
+        cores: int | None = None,
+        read_busy: Callable[[], tuple[float, float]] = busy_seconds,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.max_threads = max_threads
+        self.interval_s = interval_s
+        self.cores = cores or usable_cores()
+        self._read_busy, self._clock = read_busy, clock
+        self.threads = max_threads
+        self.others_busy = 0.0  # cores other processes kept busy over the last interval
+        torch.set_num_threads(self.threads)
+        try:
+            self._last = (self._clock(), *self._read_busy())
+        except OSError:
+            self._last = None  # no /proc: a fixed team
+            logger.info("cpu threads: %d, fixed (no /proc to read the machine's load from)", self.threads)
+
+    def tick(self) -> int:
+        """Between two steps: resizes the team once per interval; returns the team size."""
+        if self._last is None or self.max_threads == 1:
+            return self.threads
+        now = self._clock()
+        if now - self._last[0] < self.interval_s:
+            return self.threads
+        machine, own = self._read_busy()
+        then, machine_then, own_then = self._last
+        self._last = (now, machine, own)
+        self.others_busy = max(0.0, (machine - machine_then) - (own - own_then)) / (now - then)
+        # a neighbour using >= 0.3 of a core takes the core: our thread there would wait for it at every barrier
+        free = self.cores - math.floor(self.others_busy + 0.7)
+        threads = max(1, min(self.max_threads, free))
+        if threads != self.threads:
+            logger.info(
+                "cpu threads: %d -> %d (other processes keep %.1f of %d cores busy)",
+                self.threads,
+                threads,
+                self.others_busy,
+                self.cores,
+            )
+            self.threads = threads
+            torch.set_num_threads(threads)
+        return self.threads
