@@ -89,6 +89,12 @@ def _bench_fairness(args: argparse.Namespace) -> None:
     bench_main(args.bench_args)
 
 
+def _bench_peer(args: argparse.Namespace) -> None:
+    from bench.peer import main as bench_main
+
+    bench_main(args.bench_args)
+
+
 def _bench_sweep(args: argparse.Namespace) -> None:
     from bench.sweep import main as bench_main
 
@@ -225,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
         "fairness", help="two tenants at a 10:1 rate under fcfs and fair scheduling", add_help=False
     )
     fairness.set_defaults(func=_bench_fairness)
+    peer = bench_sub.add_parser(
+        "peer",
+        help="offline throughput vs vLLM-CPU in a venv you give (base and LoRA, optional busy neighbours)",
+        add_help=False,
+    )
+    peer.set_defaults(func=_bench_peer)
     return parser
 
 

@@ -1,0 +1,197 @@
+"""`loraplex bench peer`: loraplex against vLLM-CPU on the same offline workload, in one window, as ratios.
+
+    loraplex bench peer [--vllm-venv /tmp/peers/vllm-venv] [--threads 2] [--background-load 1]
+                        [--modes base,lora] [--adapters 8] [--model DIR --lora NAME=PATH ...]
+
+Default workload (W1 of ../shared/peers): the random 56M Llama of `bench engine`, K=8 random rank-8 adapters on
+all seven linear modules, 64 requests of 128 random prompt ids, 64 greedy output tokens each (ignore_eos), each
+request's adapter drawn uniformly; one untimed warm-up, then --runs timed runs with fresh prompts; the median
+counts. Each system runs in its own process (python -m bench.offline_driver; VENV/bin/python
+bench/vllm_driver.py), the two interleaved mode by mode, with --threads threads each (vLLM's bound to cores
+0..threads-1) and --background-load busy processes running beside both the whole time. vLLM is never installed
+here: without --vllm-venv only loraplex runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from bench import BenchError
+from bench.background_load import background_load
+from bench.peer_workload import PeerWorkload
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODES = ("base", "lora")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraplex bench peer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vllm-venv", type=Path, help="a virtual environment with vllm (CPU) installed")
+    parser.add_argument("--vllm-preload", help="LD_PRELOAD for vLLM (default: the venv's libiomp5 and a tcmalloc)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="per system (%(default)s)")
+    parser.add_argument(
+        "--fixed-threads", action="store_true", help="loraplex keeps --threads under load (default: adapts)"
+    )
+    parser.add_argument("--background-load", type=int, default=0, help="busy processes beside (%(default)s)")
+    parser.add_argument("--modes", default="base,lora", help="base, lora or both (%(default)s)")
+    parser.add_argument("--model", type=Path, help="a model directory instead of the random 56M Llama")
+    parser.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="an adapter of --model")
+    parser.add_argument("--adapters", type=int, default=8, help="K random adapters (%(default)s)")
+    parser.add_argument("--rank", type=int, default=8, help="of the random adapters (%(default)s)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per system and mode (%(default)s)")
+    parser.add_argument("--skip-loraplex", action="store_true", help="vLLM only")
+    parser.add_argument("--json", type=Path, default=Path("bench-results/peer.json"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    try:
+        return compare(args)
+    except BenchError as e:
+        raise SystemExit(f"loraplex bench peer: {e}") from None
+
+
+def compare(args: argparse.Namespace) -> dict:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        raise BenchError(f"--modes takes {' and '.join(MODES)}, got {args.modes!r}")
+    if args.threads < 1:
+        raise BenchError(f"--threads must be positive, got {args.threads}")
+    vllm_python = vllm_interpreter(args.vllm_venv) if args.vllm_venv else None
+    workload = PeerWorkload(args.num_prompts, args.input_len, args.output_len, args.runs)
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="loraplex-peer-") as tmp:
+        model, adapters, rank = prepare_model(args, Path(tmp))
+        workload_file = workload.write(Path(tmp) / "workload.json", model, adapters, rank)
+        with background_load(args.background_load):
+            for mode in modes:
+                if not args.skip_loraplex:
+                    results.append(run_loraplex(workload_file, mode, args.threads, args.fixed_threads))
+                if vllm_python:
+                    results.append(run_vllm(vllm_python, args, workload_file, mode))
+    summary = summarize(results, args, workload)
+    print_summary(summary)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(summary, indent=2))
+    print(f"saved {args.json}")
+    return summary
+
+
+def vllm_interpreter(venv: Path) -> Path:
+    python = venv / "bin" / "python"
+    if not python.exists():
+        raise BenchError(f"--vllm-venv {venv}: no bin/python there")
+    check = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True)
+    if check.returncode:
+        raise BenchError(f"--vllm-venv {venv}: vllm does not import there ({check.stderr.strip().splitlines()[-1]})")
+    return python
+
+
+def prepare_model(args: argparse.Namespace, tmp: Path) -> tuple[Path, list[tuple[str, str]], int]:
+    """(model directory, [(adapter name, path)], max rank): the given model and adapters, or random ones."""
+    if args.model:
+        from adapters.ref import parse_lora_module
+
+        try:
+            adapters = [parse_lora_module(spec, flag="--lora")[:2] for spec in args.lora]
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+        return args.model, adapters, max([adapter_rank(Path(p)) for _, p in adapters], default=args.rank)
+    from bench.engine import build_model
+    from bench.lora import make_adapters
+
+    hf_model = build_model(tmp / "base")
+    loras = make_adapters(hf_model, tmp, args.adapters, args.rank) if args.adapters else []
+    return tmp / "base", [(lora.adapter_id, lora.path) for lora in loras], args.rank
+
+
+def adapter_rank(path: Path) -> int:
+    return int(json.loads((path / "adapter_config.json").read_text())["r"])
+
+
+def run_loraplex(workload_file: Path, mode: str, threads: int, fixed_threads: bool = False) -> dict:
+    command = [sys.executable, "-m", "bench.offline_driver", "--workload", str(workload_file)]
+    command += ["--threads", str(threads)] + (["--no-lora"] if mode == "base" else [])
+    command += ["--fixed-threads"] if fixed_threads else []
+    return run_driver(command, dict(os.environ), "loraplex", mode)
+
+
+def run_vllm(python: Path, args: argparse.Namespace, workload_file: Path, mode: str) -> dict:
+    command = [str(python), str(REPO_ROOT / "bench" / "vllm_driver.py"), "--workload", str(workload_file)]
+    command += ["--threads-bind", f"0-{args.threads - 1}" if args.threads > 1 else "0"]
+    command += ["--no-lora"] if mode == "base" else []
+    env = dict(os.environ)
+    preload = args.vllm_preload if args.vllm_preload is not None else default_vllm_preload(args.vllm_venv)
+    if preload:
+        env["LD_PRELOAD"] = preload
+    return run_driver(command, env, "vllm", mode)
+
+
+def default_vllm_preload(venv: Path) -> str:
+    """The Intel OpenMP runtime vLLM-CPU ships, and tcmalloc where one lies in or beside the venv (its docs'
+    recommendation); empty when neither is found."""
+    found = [venv / "lib" / "libiomp5.so"] if (venv / "lib" / "libiomp5.so").exists() else []
+    tcmalloc = sorted(venv.parent.glob("**/libtcmalloc_minimal.so.4"))
+    return ":".join(str(p) for p in tcmalloc[:1] + found)
+
+
+def run_driver(command: list, env: dict, system: str, mode: str) -> dict:
+    print(f"[{time.strftime('%H:%M:%S')}] {system} {mode}: {' '.join(map(str, command))}", flush=True)
+    proc = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=3600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise BenchError(f"the {system} driver failed (exit {proc.returncode}):\n{tail}")
+    result = json.loads(lines[-1])
+    result.update(system_name=system, mode=mode)
+    result["wall_s"] = statistics.median(result["walls_s"])
+    result["output_tok_s"] = result["output_tokens"] / result["wall_s"]
+    print(f"    {result['output_tok_s']:.1f} tok/s (runs {', '.join(f'{w:.2f}' for w in result['walls_s'])} s)")
+    return result
+
+
+def summarize(results: list[dict], args: argparse.Namespace, workload: PeerWorkload) -> dict:
+    tok_s = {(r["system_name"], r["mode"]): r["output_tok_s"] for r in results}
+    ratios = {}
+    for mode in MODES:
+        if ("loraplex", mode) in tok_s and ("vllm", mode) in tok_s:
+            ratios[f"loraplex/vllm {mode}"] = tok_s["loraplex", mode] / tok_s["vllm", mode]
+    for system in ("loraplex", "vllm"):
+        if (system, "lora") in tok_s and (system, "base") in tok_s:
+            ratios[f"{system} lora/base"] = tok_s[system, "lora"] / tok_s[system, "base"]
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": f"{os.cpu_count()} cores",
+        "threads": args.threads,
+        "background_load": args.background_load,
+        "loraplex_threads": "fixed" if args.fixed_threads else "adaptive",
+        "workload": {**asdict(workload), "adapters": len(args.lora) if args.model else args.adapters},
+        "results": results,
+        "ratios": ratios,
+    }
+
+
+def print_summary(summary: dict) -> None:
+    print(f"\nthreads {summary['threads']}, background load {summary['background_load']} busy process(es)")
+    print(f"{'system':<12}{'mode':<6}{'tok/s':>10}{'median s':>10}")
+    for r in summary["results"]:
+        print(f"{r['system_name']:<12}{r['mode']:<6}{r['output_tok_s']:>10.1f}{r['wall_s']:>10.2f}")
+    for name, value in summary["ratios"].items():
+        print(f"{name:<24}{value:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""`loraplex bench peer`: the shared workload file, the busy neighbours, loraplex's driver on a real tiny model, and
+vLLM's driver against a recording stand-in (vLLM is never installed here; the real comparison is a benchmark)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import BenchError, offline_driver, peer
+from bench.background_load import background_load
+from bench.peer_workload import PeerWorkload
+from tests.hf_models import base_with_adapters
+
+REPO = Path(__file__).resolve().parent.parent
+FAKE_VLLM = Path(__file__).resolve().parent / "fake_vllm"
+SMALL = PeerWorkload(num_prompts=5, input_len=12, output_len=4, runs=2, seed=3)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, tokenizer):
+    base, loras = base_with_adapters(tmp_path_factory.mktemp("peer"), tokenizer, count=3)
+    return base, [(lora.adapter_id, lora.path) for lora in loras]
+
+
+@pytest.fixture
+def workload_file(model, tmp_path) -> Path:
+    base, adapters = model
+    return SMALL.write(tmp_path / "workload.json", base, adapters, max_lora_rank=8)
+
+
+def test_the_workload_file_is_deterministic_with_fresh_prompts_each_run(model, workload_file, tmp_path):
+    base, adapters = model
+    body = json.loads(workload_file.read_text())
+    again = json.loads(SMALL.write(tmp_path / "again.json", base, adapters, 8).read_text())
+    assert body == again
+    first, second = body["runs"]
+    assert [ids for ids, _ in first] != [ids for ids, _ in second]  # no run hits the other's prefix cache
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    for run in body["runs"]:
+        assert len(run) == 5 and all(len(ids) == 12 and min(ids) >= 4 and max(ids) < vocab for ids, _ in run)
+        assert {a for _, a in run} <= {0, 1, 2}
+    assert sorted(a for _, a in body["warmup"]) == [0, 1, 2]  # every adapter loaded before the clock starts
+    assert body["max_model_len"] == 12 + 4 + 16 and body["output_len"] == 4
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_background_load_keeps_busy_processes_running_and_stops_them():
+    with background_load(2) as spinners:
+        time.sleep(0.5)
+        before = [_cpu_ticks(p.pid) for p in spinners]
+        time.sleep(0.5)
+        after = [_cpu_ticks(p.pid) for p in spinners]
+        assert all(b > a for a, b in zip(before, after)), (before, after)
+    assert all(p.poll() is not None for p in spinners)
+    with pytest.raises(ValueError, match="0 or more"), background_load(-1):
+        pass
+
+
+def test_loraplex_driver_runs_every_run_with_its_adapters(workload_file, capsys):
+    result = offline_driver.main(["--workload", str(workload_file), "--threads", "1"])
+    assert result["mode"] == "lora" and result["threads"] == 1
+    assert len(result["walls_s"]) == 2 and all(w > 0 for w in result["walls_s"])
+    assert result["output_tokens"] == 5 * 4
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    base_only = offline_driver.main(["--workload", str(workload_file), "--threads", "1", "--no-lora"])
+    assert base_only["mode"] == "base" and base_only["output_tokens"] == 20
+
+
+def test_vllm_driver_asks_vllm_for_the_same_requests_adapters_and_threads(workload_file, tmp_path):
+    log = tmp_path / "vllm.log"
+    env = {**os.environ, "PYTHONPATH": str(FAKE_VLLM), "FAKE_VLLM_LOG": str(log)}
+    command = [sys.executable, str(REPO / "bench" / "vllm_driver.py"), "--workload", str(workload_file)]
+    out = subprocess.run([*command, "--threads-bind", "0-1"], env=env, capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["mode"] == "lora" and len(result["walls_s"]) == 2 and result["output_tokens"] == 20
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    init, _warmup, *runs = events
+    body = json.loads(workload_file.read_text())
+    assert init["body"]["enable_lora"] and init["body"]["max_loras"] == 3 and init["body"]["dtype"] == "float32"
+    assert init["env_bind"] == "0-1"
+    for event, run in zip(runs, body["runs"]):
+        assert event["body"]["prompts"] == [ids for ids, _ in run]
+        assert event["body"]["adapters"] == [body["adapters"][a][0] for _, a in run]
+        assert event["body"]["params"]["ignore_eos"] and event["body"]["params"]["max_tokens"] == 4
+    log.unlink()
+    subprocess.run([*command, "--no-lora"], env=env, capture_output=True, text=True, check=True)
+    init, *generates = [json.loads(line) for line in log.read_text().splitlines()]
+    assert "enable_lora" not in init["body"] and all(g["body"]["adapters"] is None for g in generates)
+
+
+def test_peer_compares_both_systems_mode_by_mode_as_ratios(model, tmp_path, monkeypatch):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    monkeypatch.setenv("PYTHONPATH", str(FAKE_VLLM))
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "vllm.log"))
+    base, adapters = model
+    argv = ["--model", str(base), *(f"--lora={n}={p}" for n, p in adapters), "--vllm-venv", str(venv)]
+    argv += ["--num-prompts", "3", "--input-len", "8", "--output-len", "3", "--runs", "1", "--threads", "1"]
+    summary = peer.main([*argv, "--json", str(tmp_path / "peer.json")])
+    rows = {(r["system_name"], r["mode"]): r for r in summary["results"]}
+    assert set(rows) == {("loraplex", "base"), ("vllm", "base"), ("loraplex", "lora"), ("vllm", "lora")}
+    assert all(r["output_tokens"] == 9 for r in rows.values())
+    expected = rows["loraplex", "lora"]["output_tok_s"] / rows["vllm", "lora"]["output_tok_s"]
+    assert summary["ratios"]["loraplex/vllm lora"] == pytest.approx(expected)
+    assert set(summary["ratios"]) == {
+        "loraplex/vllm base",
+        "loraplex/vllm lora",
+        "loraplex lora/base",
+        "vllm lora/base",
+    }
+    assert json.loads((tmp_path / "peer.json").read_text())["ratios"] == summary["ratios"]
+
+
+def test_peer_names_a_venv_without_vllm_and_bad_modes(tmp_path):
+    with pytest.raises(BenchError, match="no bin/python"):
+        peer.vllm_interpreter(tmp_path)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").symlink_to(sys.executable)
+    with pytest.raises(BenchError, match="vllm does not import"):
+        peer.vllm_interpreter(tmp_path)
+    with pytest.raises(SystemExit, match="--modes takes base and lora"):
+        peer.main(["--modes", "fast"])
