@@ -18,8 +18,9 @@ from engine.fairness import POLICIES
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-BACKENDS = ("auto", "torch", "triton")  # "auto": triton on CUDA, torch on CPU
-ATTENTION_BACKENDS = (*BACKENDS, "cpu")  # "auto" on CPU: cpu (torch + a C++ decode kernel) where it builds
+# "auto": triton on CUDA; on CPU, cpu (the C++ kernels of kernels/cpu_native.py) for float32 where they build,
+# else torch
+BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 def option(default, help: str, choices: tuple[str, ...] = (), size: bool = False):
@@ -49,15 +50,17 @@ class EngineConfig:
     enable_prefix_caching: bool = option(True, "reuse the KV of shared prompt prefixes (keyed by adapter digest)")
     attention_backend: str = option(
         "auto",
-        "paged attention kernels (auto: triton on CUDA; on CPU, cpu = torch with a C++ decode kernel where it builds)",
-        ATTENTION_BACKENDS,
+        "paged attention kernels (auto: triton on CUDA, on CPU cpu = C++ decode attention if it builds)",
+        BACKENDS,
     )
     enable_lora: bool = False
     max_loras: int = option(4, "adapters resident on the device at once (rows of stacked weights)")
     max_lora_rank: int = option(16, "highest adapter rank accepted")
     max_cpu_loras: int | None = option(None, "adapters kept in host memory (default 4 x max-loras)")
     allow_pickle_adapters: bool = option(False, "accept adapter_model.bin (loaded with weights_only)")
-    lora_backend: str = option("auto", "batched-LoRA kernels (auto: triton on CUDA)", BACKENDS)
+    lora_backend: str = option(
+        "auto", "batched-LoRA kernels (auto: triton on CUDA, on CPU cpu = C++ shrink/expand if they build)", BACKENDS
+    )
     seed: int = option(0, "engine seed for unseeded sampling")
     scheduling_policy: str = option(
         "fcfs", "admission order: fcfs, or fair across tenants (virtual token counters)", POLICIES
@@ -83,12 +86,11 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype '{self.dtype}'; choose one of {sorted(DTYPES)}")
         self.dtype = self._resolve_dtype()
-        if self.attention_backend == "auto":
-            self.attention_backend = "triton" if self.device.startswith("cuda") else self._cpu_attention()
-        if self.attention_backend == "cpu" and self.device != "cpu":
-            raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {self.device}")
-        if self.lora_backend == "auto":
-            self.lora_backend = "triton" if self.device.startswith("cuda") else "torch"
+        for name in ("attention_backend", "lora_backend"):
+            if getattr(self, name) == "auto":
+                setattr(self, name, "triton" if self.device.startswith("cuda") else self._cpu_backend())
+            if getattr(self, name) == "cpu" and self.device != "cpu":
+                raise ValueError(f"{name} 'cpu' runs on the CPU, not on {self.device}")
         if self.max_cpu_loras is None:
             self.max_cpu_loras = 4 * self.max_loras
         if self.enable_lora and (self.max_loras < 1 or self.max_lora_rank < 1):
@@ -103,13 +105,13 @@ class EngineConfig:
                 f"({self.max_num_seqs}): every running sequence must fit one step"
             )
 
-    def _cpu_attention(self) -> str:
-        """cpu where its C++ decode kernel builds (once per machine) and the dtype is float32, else torch."""
+    def _cpu_backend(self) -> str:
+        """cpu where the C++ kernels build (once per machine) and the dtype is float32, else torch."""
         if self.dtype != "float32":
             return "torch"
-        from kernels.paged_attention import cpu_ops
+        from kernels import cpu_native
 
-        return "cpu" if cpu_ops.available() else "torch"
+        return "cpu" if cpu_native.load() is not None else "torch"
 
     def _resolve_dtype(self) -> str:
         """`auto` on CPU is float32, the oracle's precision, logged with whether bfloat16 would be fast here; an

@@ -23,23 +23,23 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernel():
-    """The C++ CPU paged-attention kernel, built (or loaded from torch's extension cache) once, before any test
-    starts a server that would otherwise build it inside its start-up time. Where the machine has a C++ compiler
-    it must build: a skip there would hide a broken kernel; elsewhere its tests skip and engines use torch."""
+    """The C++ CPU kernels (paged decode attention, LoRA), built (or loaded from torch's extension cache) once,
+    before any test starts a server that would otherwise build them inside its start-up time. Where the machine has
+    a C++ compiler they must build: a skip would hide a broken kernel; elsewhere their tests skip, engines use torch."""
     import shutil
 
-    from kernels.paged_attention import cpu_native
+    from kernels import cpu_native
 
     module = cpu_native.load()
     if module is None and shutil.which("c++") and os.environ.get("LORAPLEX_CPU_KERNELS", "1") != "0":
-        pytest.fail("the CPU paged-attention kernel does not build on a machine with a C++ compiler")
+        pytest.fail("the C++ CPU kernels do not build on a machine with a C++ compiler")
     return module
 
 
 @pytest.fixture
 def require_cpu_kernel(cpu_kernel):
     if cpu_kernel is None:
-        pytest.skip("no C++ compiler: the CPU paged-attention kernel cannot be built here")
+        pytest.skip("no C++ compiler: the C++ CPU kernels cannot be built here")
     return cpu_kernel
 
 

@@ -133,6 +133,39 @@ def test_torch_ops_match_naive_reference(num_tokens, num_adapters, rank, popular
     check_ops(torch_ops, make_case(num_tokens, num_adapters, rank, popularity, layer, with_pads))
 
 
+@pytest.mark.parametrize("with_pads", [False, True], ids=["all_lora", "with_pads"])
+@pytest.mark.parametrize("layer", ["dense", "qkv"])
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("rank", [4, 8, 16, 64])
+@pytest.mark.parametrize("num_adapters", [1, 3, 8])
+@pytest.mark.parametrize("num_tokens", [1, 7, 64])
+def test_cpu_ops_match_naive_reference(
+    num_tokens, num_adapters, rank, popularity, layer, with_pads, require_cpu_kernel
+):
+    """The C++ shrink and expand: one call per op, each token on its own adapter's row."""
+    check_ops(get_lora_ops("cpu"), make_case(num_tokens, num_adapters, rank, popularity, layer, with_pads))
+
+
+def test_cpu_expand_sees_an_adapter_row_rewritten_in_place(require_cpu_kernel):
+    """Its transposed copy of lora_b is remade when a row is overwritten (an adapter activated into it)."""
+    ops = get_lora_ops("cpu")
+    case = make_case(7, 3, 8, "uniform", "qkv")
+    check_ops(ops, case)
+    case.lora_b[1].mul_(-2.0)  # what the adapter cache's copy_ into a row does to the version counter
+    y = case.y.clone()
+    ops.lora_expand(y, case.expected_z, case.lora_b, case.meta, case.output_slices)
+    _, expected_y = naive_lora(case.x, case.lora_a, case.lora_b, case.token_adapter_idx, case.output_slices)
+    assert_rows(y, case.y + expected_y, case.has_adapter, 1e-5)
+
+
+def test_cpu_ops_refuse_a_row_past_the_stack(require_cpu_kernel):
+    case = make_case(7, 3, 8, "uniform", "dense")
+    bad = case.meta.token_adapter_idx.clone()
+    bad[0] = 3
+    with pytest.raises(RuntimeError, match="is not a row"):
+        require_cpu_kernel.lora_shrink_cpu(case.out.clone(), case.x, case.lora_a, bad)
+
+
 def available_layouts(meta: LoraMeta) -> list[str]:
     return ["sorted"] + ["runs"] * (meta.run_starts is not None) + ["padded"] * (meta.padded_rows is not None)
 
@@ -188,7 +221,7 @@ def test_meta_groups_tokens_by_adapter():
         LoraMeta.build([0, -2], "cpu")
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 def test_no_adapter_in_the_batch_does_nothing(backend):
     ops = get_lora_ops(backend)
     case = make_case(7, 3, 8, "uniform", "qkv")
@@ -200,7 +233,7 @@ def test_no_adapter_in_the_batch_does_nothing(backend):
     assert torch.equal(out, case.out) and torch.equal(y, case.y)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 def test_rows_without_adapter_untouched(backend):
     """NaN inputs on the -1 rows must neither be written nor leak into other rows."""
     ops = get_lora_ops(backend)
@@ -213,7 +246,7 @@ def test_rows_without_adapter_untouched(backend):
     assert torch.equal(y[no_adapter], case.y[no_adapter]) and not y.isnan().any()
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 def test_strided_views_and_given_buffer(backend):
     """x, y and out as column views of wider tensors, as a fused projection makes them."""
     ops = get_lora_ops(backend)
@@ -283,7 +316,7 @@ def test_half_precision(backend, dtype, popularity):
     assert_rows(y, case.expected_y, case.has_adapter, tol={torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype])
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 def test_ops_reject_mismatched_shapes(backend):
     ops = get_lora_ops(backend)
     case = make_case(7, 3, 8, "uniform", "qkv")

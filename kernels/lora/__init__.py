@@ -1,5 +1,5 @@
-"""Batched multi-LoRA ops (shrink, expand) over stacked adapter weights: a torch backend (reference, CPU) and a
-Triton one, by name."""
+"""Batched multi-LoRA ops (shrink, expand) over stacked adapter weights, by backend name: torch (the reference),
+cpu (C++ kernels, one call per op) and triton (CUDA)."""
 
 import importlib
 from types import ModuleType
@@ -7,13 +7,13 @@ from types import ModuleType
 from .meta import NO_ADAPTER, LoraMeta
 from .torch_ops import add_lora
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "cpu")
 
 __all__ = ["BACKENDS", "NO_ADAPTER", "LoraMeta", "add_lora", "get_lora_ops"]
 
 
 def get_lora_ops(name: str) -> ModuleType:
-    """The backend module `name` ("torch" | "triton"), with lora_shrink(out, x, lora_a, meta),
+    """The backend module `name` ("torch" | "triton" | "cpu"), with lora_shrink(out, x, lora_a, meta),
     lora_expand(y, z, lora_b, meta, output_slices) and add_lora(...); Triton is imported only here, on first use."""
     if name not in BACKENDS:
         raise ValueError(f"unknown LoRA backend {name!r}; choose one of {', '.join(BACKENDS)}")

@@ -1,4 +1,4 @@
-"""Paged attention for CPU: the torch path, with decode attention in C++ reading K/V in place (cpu_native.py).
+"""Paged attention for CPU: the torch path, with decode attention in C++ reading K/V in place (kernels/cpu_native.py).
 
 Decode is where a gather costs most: each step copies every running sequence's whole context out of the pool
 and reads it again, three passes over memory for one. The C++ kernel reads each K/V row once, in place. Prefill
@@ -8,14 +8,11 @@ and the K/V stores are the torch path's (large matmuls there; the copy is a smal
 import torch
 from torch import Tensor
 
-from . import cpu_native, torch_ops
+from .. import cpu_native
+from . import torch_ops
 from .meta import PagedAttentionMeta
 
 store_kv = torch_ops.store_kv
-
-
-def available() -> bool:
-    return cpu_native.load() is not None
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMeta, scale: float) -> Tensor:

@@ -48,36 +48,45 @@ inline float softmax_numerators(float* row, int64_t n) {
   return sum;
 }
 
-// One (sequence, kv head): its `group` q heads against its keys, K/V rows read in place through its block table.
-// kChunks = head_dim / Vec::size(): q and the output row stay in registers.
-template <int64_t kChunks>
-void attend(const float* q_rows, int64_t q_head_stride, int64_t group, const float* k_base, const float* v_base,
+// One (sequence, kv head): its `group` q heads against its keys, K/V rows read in place through its block table,
+// each row once for all the heads sharing it (GQA). kChunks = head_dim / Vec::size(), kGroup = q heads per kv head.
+template <int64_t kChunks, int64_t kGroup>
+void attend(const float* q_rows, int64_t q_head_stride, const float* k_base, const float* v_base,
             const int32_t* table, int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t context_len,
             float scale, float* scores, float* out_rows) {
   constexpr int64_t kDim = kChunks * Vec::size();
-  for (int64_t g = 0; g < group; ++g) {
-    Vec q[kChunks];
-    for (int64_t c = 0; c < kChunks; ++c) q[c] = Vec::loadu(q_rows + g * q_head_stride + c * Vec::size());
-    float* row = scores + g * context_len;
-    for (int64_t t = 0; t < context_len; ++t) {
-      const float* k = k_base + table[t / block_size] * block_stride + (t % block_size) * token_stride;
-      Vec acc = q[0] * Vec::loadu(k);
-      for (int64_t c = 1; c < kChunks; ++c) acc = at::vec::fmadd(q[c], Vec::loadu(k + c * Vec::size()), acc);
-      row[t] = scale * acc.reduce_add();
+  Vec q[kGroup][kChunks];
+  for (int64_t g = 0; g < kGroup; ++g)
+    for (int64_t c = 0; c < kChunks; ++c) q[g][c] = Vec::loadu(q_rows + g * q_head_stride + c * Vec::size());
+  for (int64_t t = 0; t < context_len; ++t) {  // scores[g, t] = scale * q_g . k_t
+    const float* k = k_base + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+    Vec krow[kChunks];
+    for (int64_t c = 0; c < kChunks; ++c) krow[c] = Vec::loadu(k + c * Vec::size());
+    for (int64_t g = 0; g < kGroup; ++g) {
+      Vec acc = q[g][0] * krow[0];
+      for (int64_t c = 1; c < kChunks; ++c) acc = at::vec::fmadd(q[g][c], krow[c], acc);
+      scores[g * context_len + t] = scale * acc.reduce_add();
     }
-    const float inv = 1.f / softmax_numerators(row, context_len);
-    Vec out[kChunks];
-    for (int64_t c = 0; c < kChunks; ++c) out[c] = Vec(0.f);
-    for (int64_t t = 0; t < context_len; ++t) {
-      const float* v = v_base + table[t / block_size] * block_stride + (t % block_size) * token_stride;
-      const Vec p(row[t]);
-      for (int64_t c = 0; c < kChunks; ++c) out[c] = at::vec::fmadd(p, Vec::loadu(v + c * Vec::size()), out[c]);
-    }
-    for (int64_t c = 0; c < kChunks; ++c) (out[c] * Vec(inv)).store(out_rows + g * kDim + c * Vec::size());
   }
+  float inv[kGroup];
+  for (int64_t g = 0; g < kGroup; ++g) inv[g] = 1.f / softmax_numerators(scores + g * context_len, context_len);
+  Vec out[kGroup][kChunks];
+  for (int64_t g = 0; g < kGroup; ++g)
+    for (int64_t c = 0; c < kChunks; ++c) out[g][c] = Vec(0.f);
+  for (int64_t t = 0; t < context_len; ++t) {  // out_g += p[g, t] v_t
+    const float* v = v_base + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+    Vec vrow[kChunks];
+    for (int64_t c = 0; c < kChunks; ++c) vrow[c] = Vec::loadu(v + c * Vec::size());
+    for (int64_t g = 0; g < kGroup; ++g) {
+      const Vec p(scores[g * context_len + t]);
+      for (int64_t c = 0; c < kChunks; ++c) out[g][c] = at::vec::fmadd(p, vrow[c], out[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < kGroup; ++g)
+    for (int64_t c = 0; c < kChunks; ++c) (out[g][c] * Vec(inv[g])).store(out_rows + g * kDim + c * Vec::size());
 }
 
-// Any head_dim (the templated path covers the common ones): plain loops.
+// Any head_dim and GQA ratio (the templated path covers the common ones): plain loops.
 void attend_any(const float* q_rows, int64_t q_head_stride, int64_t group, int64_t head_dim, const float* k_base,
                 const float* v_base, const int32_t* table, int64_t block_size, int64_t block_stride,
                 int64_t token_stride, int64_t context_len, float scale, float* scores, float* out_rows) {
@@ -147,28 +156,29 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       const float* v_base = v_ptr + h * head_dim;
       const int32_t* table = tables + s * max_blocks;
       float* out_rows = out_ptr + (s * num_heads + h * group) * head_dim;
-      switch (head_dim / Vec::size() * (head_dim % Vec::size() == 0)) {
-#define LORAPLEX_ATTEND(chunks)                                                                                    \
-  case chunks:                                                                                                     \
-    attend<chunks>(q_rows, q_head_stride, group, k_base, v_base, table, block_size, block_stride, token_stride,     \
-                   context_len, fscale, scores.data(), out_rows);                                                  \
-    break;
-        LORAPLEX_ATTEND(1)
-        LORAPLEX_ATTEND(2)
-        LORAPLEX_ATTEND(4)
-        LORAPLEX_ATTEND(8)
-        LORAPLEX_ATTEND(16)
+      const int64_t chunks = head_dim % Vec::size() == 0 ? head_dim / Vec::size() : 0;
+      bool done = true;
+#define LORAPLEX_ATTEND(kc, kg)                                                                                   \
+  if (chunks == kc && group == kg)                                                                                \
+    attend<kc, kg>(q_rows, q_head_stride, k_base, v_base, table, block_size, block_stride, token_stride,          \
+                   context_len, fscale, scores.data(), out_rows);                                                 \
+  else
+      LORAPLEX_ATTEND(1, 1) LORAPLEX_ATTEND(1, 2) LORAPLEX_ATTEND(1, 4) LORAPLEX_ATTEND(1, 8)
+      LORAPLEX_ATTEND(2, 1) LORAPLEX_ATTEND(2, 2) LORAPLEX_ATTEND(2, 4) LORAPLEX_ATTEND(2, 8)
+      LORAPLEX_ATTEND(4, 1) LORAPLEX_ATTEND(4, 2) LORAPLEX_ATTEND(4, 4) LORAPLEX_ATTEND(4, 8)
+      LORAPLEX_ATTEND(8, 1) LORAPLEX_ATTEND(8, 2) LORAPLEX_ATTEND(8, 4) LORAPLEX_ATTEND(8, 8)
+      LORAPLEX_ATTEND(16, 1) LORAPLEX_ATTEND(16, 2) LORAPLEX_ATTEND(16, 4) LORAPLEX_ATTEND(16, 8)
+      done = false;
 #undef LORAPLEX_ATTEND
-        default:
-          attend_any(q_rows, q_head_stride, group, head_dim, k_base, v_base, table, block_size, block_stride,
-                     token_stride, context_len, fscale, scores.data(), out_rows);
-      }
+      if (!done)
+        attend_any(q_rows, q_head_stride, group, head_dim, k_base, v_base, table, block_size, block_stride,
+                   token_stride, context_len, fscale, scores.data(), out_rows);
     }
   });
   return out;
 }
 
-TORCH_LIBRARY(loraplex, m) {
+TORCH_LIBRARY_FRAGMENT(loraplex, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "float scale) -> Tensor");
 }

@@ -1,9 +1,10 @@
-"""The C++ paged decode attention for CPU (csrc/paged_decode_cpu.cpp), built once per machine on first use.
+"""The C++ CPU kernels (paged_attention/csrc: the paged decode attention; lora/csrc: batched LoRA shrink and
+expand), one extension built once per machine on first use, its ops under torch.ops.loraplex.
 
 torch.utils.cpp_extension compiles it with the machine's C++ compiler (-O3 -march=native) into torch's extension
 cache (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR); later processes load the cached build. Where it cannot
 be built (no compiler or ninja), `load()` returns None once, with a log line, and callers keep the torch path.
-LORAPLEX_CPU_KERNELS=0 turns it off.
+LORAPLEX_CPU_KERNELS=0 turns them off.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+SOURCES = sorted(Path(__file__).parent.glob("*/csrc/*.cpp"))
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
 def load() -> Any:
-    """torch.ops.loraplex with the compiled ops (paged_decode_attention), or None where they cannot be built (or
-    are turned off)."""
+    """torch.ops.loraplex with the compiled ops (paged_decode_attention, lora_shrink_cpu, lora_expand_cpu), or None
+    where they cannot be built (or are turned off)."""
     with _lock:
         if "module" not in _state:
             _state["module"] = _build()
@@ -32,7 +33,7 @@ def load() -> Any:
 
 def _build() -> Any:
     if os.environ.get("LORAPLEX_CPU_KERNELS", "1") == "0":
-        logger.info("CPU paged-attention kernel off (LORAPLEX_CPU_KERNELS=0): decode attention gathers K/V in torch")
+        logger.info("C++ CPU kernels off (LORAPLEX_CPU_KERNELS=0): attention and LoRA run on torch ops")
         return None
     start = time.perf_counter()
     try:
@@ -40,8 +41,8 @@ def _build() -> Any:
         from torch.utils.cpp_extension import load as load_extension
 
         load_extension(
-            name="loraplex_paged_decode_cpu",
-            sources=[str(SOURCE)],
+            name="loraplex_cpu_kernels",
+            sources=[str(source) for source in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,  # registers torch.ops.loraplex.* (no pybind11: a much shorter build)
@@ -49,9 +50,9 @@ def _build() -> Any:
         )
         module = torch.ops.loraplex
     except Exception as e:  # a compiler, ninja or header problem: any of them means "not here"
-        logger.warning("CPU paged-attention kernel unavailable (%s): decode attention gathers K/V in torch", e)
+        logger.warning("C++ CPU kernels unavailable (%s): attention and LoRA run on torch ops", e)
         return None
     elapsed = time.perf_counter() - start
     if elapsed > 2:
-        logger.info("built the CPU paged-attention kernel in %.0f s (cached for later runs)", elapsed)
+        logger.info("built the C++ CPU kernels in %.0f s (cached for later runs)", elapsed)
     return module

@@ -1,0 +1,66 @@
+"""Batched multi-LoRA on CPU: shrink and expand in C++ (kernels/cpu_native.py), one call per op whatever the mix of
+adapters in the batch, for float32; anything else (or no compiler) runs torch_ops.
+
+Expand reads lora_b transposed, [N, R, H_out], so that each token adds R contiguous scaled rows: the transpose is
+made once and kept while the stacked weights are unchanged (their version counter: activating an adapter writes
+its row in place and bumps it).
+"""
+
+import weakref
+
+import torch
+from torch import Tensor
+
+from .. import cpu_native
+from . import torch_ops
+from .compose import compose_add_lora
+from .meta import LoraMeta, check_expand, check_shrink
+
+# id(lora_b) -> (a weak reference to it, its version when transposed, lora_b^T)
+_transposed: dict[int, tuple[weakref.ref, int, Tensor]] = {}
+
+
+def _native(*tensors: Tensor):
+    native = cpu_native.load()
+    if native is None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        return None
+    return native
+
+
+def lora_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta) -> None:
+    """As torch_ops.lora_shrink. out: [T, S * R] · x: [T, H_in] · lora_a: [N, S * R, H_in]"""
+    if not meta.has_lora:
+        return
+    native = _native(out, x, lora_a)
+    if native is None:
+        return torch_ops.lora_shrink(out, x, lora_a, meta)
+    check_shrink(out, x, lora_a, meta)
+    native.lora_shrink_cpu(out, x, lora_a, meta.token_adapter_idx)
+
+
+def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_slices: tuple[int, ...]) -> None:
+    """As torch_ops.lora_expand. y: [T, H_out] · z: [T, S * R] · lora_b: [N, H_out, R]"""
+    if not meta.has_lora:
+        return
+    native = _native(y, z, lora_b)
+    if native is None:
+        return torch_ops.lora_expand(y, z, lora_b, meta, output_slices)
+    check_expand(y, z, lora_b, meta, output_slices)
+    bounds = [0]
+    for size in output_slices:
+        bounds.append(bounds[-1] + size)
+    native.lora_expand_cpu(y, z, transposed(lora_b), meta.token_adapter_idx, bounds)
+
+
+def transposed(lora_b: Tensor) -> Tensor:
+    """lora_b [N, H_out, R] as a contiguous [N, R, H_out], remade only after lora_b changed."""
+    key = id(lora_b)
+    cached = _transposed.get(key)
+    if cached is None or cached[0]() is not lora_b or cached[1] != lora_b._version:
+        cached = (weakref.ref(lora_b, lambda _, key=key: _transposed.pop(key, None)), lora_b._version,
+                  lora_b.transpose(1, 2).contiguous())  # fmt: skip
+        _transposed[key] = cached
+    return cached[2]
+
+
+add_lora = compose_add_lora(lora_shrink, lora_expand)
