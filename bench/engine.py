@@ -44,7 +44,7 @@ def build_model(directory: Path, seed: int = 0):
     model.generation_config.eos_token_id = None  # generate exactly max_new_tokens (ignore_eos)
     model.generation_config.pad_token_id = 0
     model.save_pretrained(directory)
-    save_tokenizer(directory)  # the engine loads one; token ids are random and never detokenized here
+    save_tokenizer(directory, MODEL_56M["vocab_size"])  # one text per id: streams show their first token
     return model
 
 

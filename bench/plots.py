@@ -73,3 +73,18 @@ def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
+
+
+def latency_vs_concurrency(runs: list[dict], path: Path) -> Path:
+    """p50 and p99 of TTFT and TPOT against the number of requests in flight."""
+    levels = [run["concurrency"] for run in runs]
+    fig = Figure(figsize=(11, 4))
+    axes = fig.subplots(1, 2)
+    for ax, key, title in zip(axes, ("ttft_ms", "tpot_ms"), ("Time to first token", "Time per output token")):
+        for stat, style in (("p50", "o-"), ("p99", "s--")):
+            values = [run[key][stat] if run[key][stat] is not None else np.nan for run in runs]
+            ax.plot(levels, values, style, label=stat)
+        ax.set(title=title, xlabel="concurrent requests", ylabel="ms", ylim=(0, None))
+        _k_axis(ax, levels)
+        ax.legend()
+    return _save(fig, path)

@@ -49,6 +49,8 @@ def train_tokenizer(vocab_size: int = 512, texts: list[str] | None = None) -> Pr
 
 
 def save_tokenizer(directory: str | Path, vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    tokenizer = train_tokenizer(vocab_size)
+    """Trains (on enough text for `vocab_size` tokens: every id of the model then decodes to some text, so a
+    stream's first token is visible) and saves the tokenizer files into `directory`."""
+    tokenizer = train_tokenizer(vocab_size, stdlib_text(max(TEXT_BYTES, vocab_size * 256)))
     tokenizer.save_pretrained(str(directory))
     return tokenizer

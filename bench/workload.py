@@ -55,7 +55,7 @@ class Prompt:
 class RequestSpec:
     index: int
     model: str  # an adapter's name, or the base model's
-    prompt: str
+    prompt: str | list[int]  # text, or token ids (completions only)
     prompt_len: int
     output_len: int
     arrival_s: float  # when it is sent, after the run starts

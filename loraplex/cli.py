@@ -89,6 +89,12 @@ def _bench_fairness(args: argparse.Namespace) -> None:
     bench_main(args.bench_args)
 
 
+def _bench_latency(args: argparse.Namespace) -> None:
+    from bench.latency import main as bench_main
+
+    bench_main(args.bench_args)
+
+
 def _bench_peer(args: argparse.Namespace) -> None:
     from bench.peer import main as bench_main
 
@@ -237,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     peer.set_defaults(func=_bench_peer)
+    latency = bench_sub.add_parser(
+        "latency",
+        help="loraplex serve vs the offline engine on the same requests; TTFT/TPOT by concurrency",
+        add_help=False,
+    )
+    latency.set_defaults(func=_bench_latency)
     return parser
 
 

@@ -132,3 +132,21 @@ def test_peer_names_a_venv_without_vllm_and_bad_modes(tmp_path):
         peer.vllm_interpreter(tmp_path)
     with pytest.raises(SystemExit, match="--modes takes base and lora"):
         peer.main(["--modes", "fast"])
+
+
+def test_latency_runs_the_server_and_the_offline_engine_on_the_same_requests(model, tmp_path):
+    from bench import latency
+
+    base, adapters = model
+    argv = ["--model", str(base), *(f"--lora={n}={p}" for n, p in adapters), "--threads", "1"]
+    argv += ["--num-prompts", "4", "--input-len", "8", "--output-len", "6", "--runs", "1", "--concurrency", "2,1"]
+    result = latency.main([*argv, "--result-dir", str(tmp_path)])
+    assert [run["concurrency"] for run in result["runs"]] == [1, 2]
+    for run in result["runs"]:
+        assert run["completed"] == 4 and run["failed"] == 0 and run["total_output_tokens"] == 4 * 6
+        assert 0 < run["ttft_ms"]["p50"] <= run["e2e_ms"]["p50"] and run["tpot_ms"]["p50"] > 0
+    assert result["offline"]["output_tok_s"] > 0
+    expected = result["runs"][-1]["output_throughput"] / result["offline"]["output_tok_s"]
+    assert result["server_over_offline"] == pytest.approx(expected)
+    assert json.loads((tmp_path / "latency.json").read_text())["runs"][0]["concurrency"] == 1
+    assert (tmp_path / "latency_vs_concurrency.png").stat().st_size > 0

@@ -1,0 +1,139 @@
+"""`loraplex bench latency`: the server against the offline engine on the same requests, and TTFT / TPOT by
+concurrency, through a real `loraplex serve` on 127.0.0.1.
+
+    loraplex bench latency [--threads 2] [--adapters 8] [--concurrency 1,16,64] [--result-dir bench-results]
+
+The W1 workload of `bench peer` (the random 56M Llama, K random rank-8 adapters, 64 requests of 128 prompt token
+ids and 64 output tokens, greedy, ignore_eos, adapters drawn uniformly). First the offline engine runs the
+requests (python -m bench.offline_driver, median of its runs); then one `loraplex serve` (no auth, its own SQLite
+registry, the same engine options) gets them streamed over HTTP, at each concurrency in turn, after a warm-up
+request per adapter. Server / offline at the highest concurrency is the gateway's whole overhead: HTTP, tokens to
+text, SSE, accounting. Prints a table, writes latency.json and latency_vs_concurrency.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import BenchError, plots
+from bench.client import Target
+from bench.metrics import summarize
+from bench.peer import prepare_model, run_driver
+from bench.peer_workload import PeerWorkload
+from bench.runner import RunLimits, run_requests
+from bench.server_process import ServeProcess
+from bench.workload import RequestSpec
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraplex bench latency", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2, help="the engine's cpu threads, both ways (%(default)s)")
+    parser.add_argument("--concurrency", default="1,16,64", help="requests in flight, one run each (%(default)s)")
+    parser.add_argument("--adapters", type=int, default=8, help="K random adapters; 0: the base model (%(default)s)")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3, help="offline runs, the median counts (%(default)s)")
+    parser.add_argument("--model", type=Path, help="a model directory instead of the random 56M Llama")
+    parser.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="an adapter of --model")
+    parser.add_argument("--result-dir", type=Path, default=Path("bench-results"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    try:
+        levels = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
+    except ValueError:
+        raise SystemExit(
+            f"loraplex bench latency: --concurrency takes numbers like 1,16,64, not {args.concurrency!r}"
+        ) from None
+    if not levels or levels[0] < 1:
+        raise SystemExit("loraplex bench latency: every --concurrency must be at least 1")
+    try:
+        return measure(args, levels)
+    except BenchError as e:
+        raise SystemExit(f"loraplex bench latency: {e}") from None
+
+
+def measure(args: argparse.Namespace, levels: list[int]) -> dict:
+    workload = PeerWorkload(args.num_prompts, args.input_len, args.output_len, args.runs)
+    args.result_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="loraplex-latency-") as tmp:
+        model, adapters, rank = prepare_model(args, Path(tmp))
+        workload_file = workload.write(Path(tmp) / "workload.json", model, adapters, rank)
+        body = json.loads(workload_file.read_text())
+        offline = run_offline(workload_file, args.threads, bool(adapters))
+        names = [name for name, _ in adapters]
+        served = "bench-base"
+        serve_args = [
+            "--model", str(model), "--served-model-name", served, "--disable-auth",
+            "--database-url", f"sqlite:///{Path(tmp) / 'registry.db'}", "--device", "cpu", "--dtype", "float32",
+            "--cpu-threads", str(args.threads), "--max-num-seqs", str(body["max_num_seqs"]),
+            "--max-model-len", str(body["max_model_len"]),
+        ]  # fmt: skip
+        if adapters:
+            serve_args += ["--max-loras", str(len(adapters)), "--max-lora-rank", str(rank), "--lora-modules"]
+            serve_args += [f"{name}={path}" for name, path in adapters]
+        runs = []
+        with ServeProcess(serve_args, args.result_dir / "latency-server.log") as server:
+            target = Target(url=server.url, endpoint="completions")
+            model_of = (lambda a: names[a]) if names else (lambda a: served)
+            warmup = [spec(i, ids, model_of(a), 4) for i, (ids, a) in enumerate(body["warmup"])]
+            run_requests(warmup, target, RunLimits(show_progress=False))
+            for level in levels:
+                specs = [spec(i, ids, model_of(a), args.output_len) for i, (ids, a) in enumerate(body["runs"][0])]
+                records, duration = run_requests(specs, target, RunLimits(max_concurrency=level, label=f"c={level}"))
+                summary = summarize(records, duration)
+                if summary["failed"]:
+                    raise BenchError(f"{summary['failed']} requests failed at concurrency {level}: {summary['errors']}")
+                runs.append({"concurrency": level, **{k: v for k, v in summary.items() if k != "per_adapter"}})
+    top = runs[-1]
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "threads": args.threads,
+        "adapters": len(adapters),
+        "offline": offline,
+        "runs": runs,
+        "server_over_offline": top["output_throughput"] / offline["output_tok_s"],
+    }
+    print_table(result)
+    (args.result_dir / "latency.json").write_text(json.dumps(result, indent=2))
+    png = plots.latency_vs_concurrency(runs, args.result_dir / "latency_vs_concurrency.png")
+    print(f"saved {args.result_dir / 'latency.json'}, {png}")
+    return result
+
+
+def spec(index: int, prompt_ids: list[int], model: str, output_len: int) -> RequestSpec:
+    return RequestSpec(index, model, prompt_ids, len(prompt_ids), output_len, 0.0)
+
+
+def run_offline(workload_file: Path, threads: int, with_lora: bool) -> dict:
+    command = [sys.executable, "-m", "bench.offline_driver", "--workload", str(workload_file)]
+    command += ["--threads", str(threads)] + ([] if with_lora else ["--no-lora"])
+    result = run_driver(command, dict(os.environ), "loraplex offline", "lora" if with_lora else "base")
+    return {k: result[k] for k in ("wall_s", "output_tok_s", "walls_s")}
+
+
+def print_table(result: dict) -> None:
+    offline = result["offline"]
+    print(f"\noffline engine: {offline['output_tok_s']:.1f} output tok/s (median {offline['wall_s']:.2f} s)")
+    print(f"{'concurrency':>11}{'tok/s':>9}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>8}  (ms)")
+    for run in result["runs"]:
+        ttft, tpot = run["ttft_ms"], run["tpot_ms"]
+        print(
+            f"{run['concurrency']:>11}{run['output_throughput']:>9.1f}{ttft['p50']:>10.1f}{ttft['p99']:>9.1f}"
+            f"{tpot['p50']:>10.2f}{tpot['p99']:>8.2f}"
+        )
+    print(f"server at concurrency {result['runs'][-1]['concurrency']} / offline: {result['server_over_offline']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
