@@ -6,9 +6,10 @@ concurrency, through a real `loraplex serve` on 127.0.0.1.
 The W1 workload of `bench peer` (the random 56M Llama, K random rank-8 adapters, 64 requests of 128 prompt token
 ids and 64 output tokens, greedy, ignore_eos, adapters drawn uniformly). First the offline engine runs the
 requests (python -m bench.offline_driver, median of its runs); then one `loraplex serve` (no auth, its own SQLite
-registry, the same engine options) gets them streamed over HTTP, at each concurrency in turn, after a warm-up
-request per adapter. Server / offline at the highest concurrency is the gateway's whole overhead: HTTP, tokens to
-text, SSE, accounting. Prints a table, writes latency.json and latency_vs_concurrency.png.
+registry, the same engine options) gets the same kind of requests (fresh prompt ids each time, so no run hits the
+prefix cache) streamed over HTTP, at each concurrency in turn, after a warm-up request per adapter. Server / offline
+at the highest concurrency is the gateway's whole overhead: HTTP, tokens to text, SSE, accounting, and requests
+arriving over time instead of all at once. Prints a table, writes latency.json and latency_vs_concurrency.png.
 """
 
 from __future__ import annotations
@@ -88,8 +89,10 @@ def measure(args: argparse.Namespace, levels: list[int]) -> dict:
             model_of = (lambda a: names[a]) if names else (lambda a: served)
             warmup = [spec(i, ids, model_of(a), 4) for i, (ids, a) in enumerate(body["warmup"])]
             run_requests(warmup, target, RunLimits(show_progress=False))
-            for level in levels:
-                specs = [spec(i, ids, model_of(a), args.output_len) for i, (ids, a) in enumerate(body["runs"][0])]
+            vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+            for level in levels:  # fresh prompts each time, like the offline runs: no prefix-cache hits
+                fresh = workload.requests(vocab_size, len(adapters), run=1000 + level)
+                specs = [spec(i, ids, model_of(a), args.output_len) for i, (ids, a) in enumerate(fresh)]
                 records, duration = run_requests(specs, target, RunLimits(max_concurrency=level, label=f"c={level}"))
                 summary = summarize(records, duration)
                 if summary["failed"]:
