@@ -2,6 +2,7 @@
 
     loraplex bench peer [--vllm-venv /tmp/peers/vllm-venv] [--threads 2] [--background-load 1]
                         [--modes base,lora] [--adapters 8] [--model DIR --lora NAME=PATH ...]
+    loraplex bench peer --demo [...]      (the embedded demo's SmolLM2, as an HF directory, and its adapters)
 
 Default workload (W1 of ../shared/peers): the random 56M Llama of `bench engine`, K=8 random rank-8 adapters on
 all seven linear modules, 64 requests of 128 random prompt ids, 64 greedy output tokens each (ignore_eos), each

@@ -98,6 +98,17 @@ def _bench_latency(args: argparse.Namespace) -> None:
 def _bench_peer(args: argparse.Namespace) -> None:
     from bench.peer import main as bench_main
 
+    if "--demo" in args.bench_args:  # the demo's SmolLM2 (as an HF directory, which vLLM reads) and its adapters
+        from loraplex.demo import build_demo, hf_directory
+
+        args.bench_args.remove("--demo")
+        demo = build_demo()
+        args.bench_args = [
+            *("--model", str(hf_directory(demo))),
+            *(f"--lora={n}={p}" for n, p in demo.adapters.items()),
+            *("--num-prompts", "32", "--input-len", "32", "--output-len", "64"),
+            *args.bench_args,  # later options win
+        ]
     bench_main(args.bench_args)
 
 

@@ -100,3 +100,17 @@ def test_each_adapter_shows_its_behaviour_and_the_base_does_not(demo, llm):
         replies = [o.outputs[0].text for o in llm.chat(conversations, params, lora_request=loras[name])]
         assert sum(map(behaviour.check, replies)) >= 7, f"{name}: {replies}"
         assert sum(map(behaviour.check, base)) == 0, f"the base shows {name}'s behaviour: {base}"
+
+
+def test_the_demo_as_a_hugging_face_directory_serves_the_same_tokens(demo, llm):
+    """`loraplex bench peer --demo` hands vLLM this directory: the same weights and tokenizer as the GGUF file."""
+    from loraplex.demo import hf_directory
+
+    directory = hf_directory(demo)
+    assert hf_directory(demo) == directory  # written once
+    from_dir = LLM(model=str(directory), device="cpu", dtype="float32", num_kv_blocks=64)
+    assert from_dir.tokenizer.encode("Hello, world") == llm.tokenizer.encode("Hello, world")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [chat_ids(llm, p) for p in HELD_OUT_PROMPTS[:2]]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in from_dir.generate(prompts, params)] == expected

@@ -76,6 +76,23 @@ def build_demo() -> Demo:
     return Demo(gguf, DEMO_MODEL_NAME, adapters)
 
 
+def hf_directory(demo: Demo) -> Path:
+    """The demo's base as a Hugging Face directory (fp32 safetensors and the tokenizer, dequantized from the GGUF
+    file by our reader), for engines that do not read GGUF, e.g. the vLLM peer of `loraplex bench peer --demo`.
+    Written once beside the adapters."""
+    directory = demo_dir(demo.model) / "hf"
+    if not (directory / "model.safetensors").is_file():
+        from engine.gguf_reader import read_gguf
+
+        checkpoint = read_gguf(demo.model)
+        tmp = directory.with_name("hf.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        _hf_model(checkpoint).save_pretrained(tmp)
+        checkpoint.tokenizer.save_pretrained(tmp)
+        tmp.rename(directory)
+    return directory
+
+
 def _train_all(gguf: Path, directory: Path) -> None:
     from engine.gguf_reader import read_gguf
     from loraplex.demo.train import train_adapter
