@@ -22,7 +22,7 @@ SCENARIOS = {
     "uniform_prefill": ([(0, 12), (0, 12), (0, 12)], [4, 16]),
     "long": ([(0, 130), (100, 70)], [300, 77]),
 }
-GQA = [(4, 4), (4, 2), (8, 2)]  # (Hq, Hkv): ratios 1, 2, 4
+GQA = [(4, 4), (4, 2), (8, 2), (9, 3)]  # (Hq, Hkv): ratios 1, 2, 4, 3 (SmolLM2's 9 / 3)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 

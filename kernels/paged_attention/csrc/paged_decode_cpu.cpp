@@ -86,7 +86,7 @@ void attend(const float* q_rows, int64_t q_head_stride, const float* k_base, con
     for (int64_t c = 0; c < kChunks; ++c) (out[g][c] * Vec(inv[g])).store(out_rows + g * kDim + c * Vec::size());
 }
 
-// Any head_dim and GQA ratio (the templated path covers the common ones): plain loops.
+// Any head_dim and GQA ratio (the templated path covers head_dim = 1..16 vectors and ratios 1..8): plain loops.
 void attend_any(const float* q_rows, int64_t q_head_stride, int64_t group, int64_t head_dim, const float* k_base,
                 const float* v_base, const int32_t* table, int64_t block_size, int64_t block_stride,
                 int64_t token_stride, int64_t context_len, float scale, float* scores, float* out_rows) {
@@ -163,11 +163,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     attend<kc, kg>(q_rows, q_head_stride, k_base, v_base, table, block_size, block_stride, token_stride,          \
                    context_len, fscale, scores.data(), out_rows);                                                 \
   else
-      LORAPLEX_ATTEND(1, 1) LORAPLEX_ATTEND(1, 2) LORAPLEX_ATTEND(1, 4) LORAPLEX_ATTEND(1, 8)
-      LORAPLEX_ATTEND(2, 1) LORAPLEX_ATTEND(2, 2) LORAPLEX_ATTEND(2, 4) LORAPLEX_ATTEND(2, 8)
-      LORAPLEX_ATTEND(4, 1) LORAPLEX_ATTEND(4, 2) LORAPLEX_ATTEND(4, 4) LORAPLEX_ATTEND(4, 8)
-      LORAPLEX_ATTEND(8, 1) LORAPLEX_ATTEND(8, 2) LORAPLEX_ATTEND(8, 4) LORAPLEX_ATTEND(8, 8)
-      LORAPLEX_ATTEND(16, 1) LORAPLEX_ATTEND(16, 2) LORAPLEX_ATTEND(16, 4) LORAPLEX_ATTEND(16, 8)
+      LORAPLEX_ATTEND(1, 1) LORAPLEX_ATTEND(1, 2) LORAPLEX_ATTEND(1, 3) LORAPLEX_ATTEND(1, 4)
+      LORAPLEX_ATTEND(1, 5) LORAPLEX_ATTEND(1, 6) LORAPLEX_ATTEND(1, 7) LORAPLEX_ATTEND(1, 8)
+      LORAPLEX_ATTEND(2, 1) LORAPLEX_ATTEND(2, 2) LORAPLEX_ATTEND(2, 3) LORAPLEX_ATTEND(2, 4)
+      LORAPLEX_ATTEND(2, 5) LORAPLEX_ATTEND(2, 6) LORAPLEX_ATTEND(2, 7) LORAPLEX_ATTEND(2, 8)
+      LORAPLEX_ATTEND(4, 1) LORAPLEX_ATTEND(4, 2) LORAPLEX_ATTEND(4, 3) LORAPLEX_ATTEND(4, 4)
+      LORAPLEX_ATTEND(4, 5) LORAPLEX_ATTEND(4, 6) LORAPLEX_ATTEND(4, 7) LORAPLEX_ATTEND(4, 8)
+      LORAPLEX_ATTEND(8, 1) LORAPLEX_ATTEND(8, 2) LORAPLEX_ATTEND(8, 3) LORAPLEX_ATTEND(8, 4)
+      LORAPLEX_ATTEND(8, 5) LORAPLEX_ATTEND(8, 6) LORAPLEX_ATTEND(8, 7) LORAPLEX_ATTEND(8, 8)
+      LORAPLEX_ATTEND(16, 1) LORAPLEX_ATTEND(16, 2) LORAPLEX_ATTEND(16, 3) LORAPLEX_ATTEND(16, 4)
+      LORAPLEX_ATTEND(16, 5) LORAPLEX_ATTEND(16, 6) LORAPLEX_ATTEND(16, 7) LORAPLEX_ATTEND(16, 8)
       done = false;
 #undef LORAPLEX_ATTEND
       if (!done)
