@@ -46,17 +46,8 @@ def throughput_vs_adapters(runs: list[dict], path: Path, title: str = "Throughpu
 
 def latency_vs_adapters(runs: list[dict], path: Path) -> Path:
     """p50 and p99 of TTFT and E2E against K."""
-    ks = [run["num_adapters"] for run in runs]
-    fig = Figure(figsize=(11, 4))
-    axes = fig.subplots(1, 2)
-    for ax, key, title in zip(axes, ("ttft_ms", "e2e_ms"), ("Time to first token", "End-to-end latency")):
-        for stat, style in (("p50", "o-"), ("p99", "s--")):
-            values = [run[key][stat] if run[key][stat] is not None else np.nan for run in runs]
-            ax.plot(ks, values, style, label=stat)
-        ax.set(title=title, xlabel="number of adapters (K)", ylabel="ms", ylim=(0, None))
-        _k_axis(ax, ks)
-        ax.legend()
-    return _save(fig, path)
+    panels = (("ttft_ms", "Time to first token"), ("e2e_ms", "End-to-end latency"))
+    return _p50_p99(runs, [run["num_adapters"] for run in runs], panels, "number of adapters (K)", path)
 
 
 def _k_axis(ax, ks: list[int]) -> None:
@@ -77,14 +68,19 @@ def _save(fig, path: Path) -> Path:
 
 def latency_vs_concurrency(runs: list[dict], path: Path) -> Path:
     """p50 and p99 of TTFT and TPOT against the number of requests in flight."""
-    levels = [run["concurrency"] for run in runs]
+    panels = (("ttft_ms", "Time to first token"), ("tpot_ms", "Time per output token"))
+    return _p50_p99(runs, [run["concurrency"] for run in runs], panels, "concurrent requests", path)
+
+
+def _p50_p99(runs: list[dict], xs: list[int], panels: tuple[tuple[str, str], ...], xlabel: str, path: Path) -> Path:
+    """One panel per (latency key, title): its p50 and p99 against xs (one per run), log-like x axis."""
     fig = Figure(figsize=(11, 4))
-    axes = fig.subplots(1, 2)
-    for ax, key, title in zip(axes, ("ttft_ms", "tpot_ms"), ("Time to first token", "Time per output token")):
+    axes = fig.subplots(1, len(panels))
+    for ax, (key, title) in zip(axes, panels):
         for stat, style in (("p50", "o-"), ("p99", "s--")):
             values = [run[key][stat] if run[key][stat] is not None else np.nan for run in runs]
-            ax.plot(levels, values, style, label=stat)
-        ax.set(title=title, xlabel="concurrent requests", ylabel="ms", ylim=(0, None))
-        _k_axis(ax, levels)
+            ax.plot(xs, values, style, label=stat)
+        ax.set(title=title, xlabel=xlabel, ylabel="ms", ylim=(0, None))
+        _k_axis(ax, xs)
         ax.legend()
     return _save(fig, path)

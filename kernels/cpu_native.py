@@ -44,6 +44,7 @@ def _build() -> Any:
             name="loraplex_cpu_kernels",
             sources=[str(source) for source in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_include_paths=[str(Path(__file__).parent / "csrc")],  # cpu_vec.h, shared by the kernels
             extra_ldflags=["-fopenmp"],
             is_python_module=False,  # registers torch.ops.loraplex.* (no pybind11: a much shorter build)
             verbose=False,

@@ -129,21 +129,12 @@ def check_ops(ops, case: Case, tol=1e-5) -> None:
 @pytest.mark.parametrize("rank", [4, 8, 16, 64])
 @pytest.mark.parametrize("num_adapters", [1, 3, 8])
 @pytest.mark.parametrize("num_tokens", [1, 7, 64])
-def test_torch_ops_match_naive_reference(num_tokens, num_adapters, rank, popularity, layer, with_pads):
-    check_ops(torch_ops, make_case(num_tokens, num_adapters, rank, popularity, layer, with_pads))
-
-
-@pytest.mark.parametrize("with_pads", [False, True], ids=["all_lora", "with_pads"])
-@pytest.mark.parametrize("layer", ["dense", "qkv"])
-@pytest.mark.parametrize("popularity", POPULARITY)
-@pytest.mark.parametrize("rank", [4, 8, 16, 64])
-@pytest.mark.parametrize("num_adapters", [1, 3, 8])
-@pytest.mark.parametrize("num_tokens", [1, 7, 64])
-def test_cpu_ops_match_naive_reference(
-    num_tokens, num_adapters, rank, popularity, layer, with_pads, require_cpu_kernel
-):
-    """The C++ shrink and expand: one call per op, each token on its own adapter's row."""
-    check_ops(get_lora_ops("cpu"), make_case(num_tokens, num_adapters, rank, popularity, layer, with_pads))
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_ops_match_naive_reference(backend, num_tokens, num_adapters, rank, popularity, layer, with_pads, request):
+    """torch (its layouts) and cpu (C++: one call per op, each token on its own adapter's row)."""
+    if backend == "cpu":
+        request.getfixturevalue("require_cpu_kernel")
+    check_ops(get_lora_ops(backend), make_case(num_tokens, num_adapters, rank, popularity, layer, with_pads))
 
 
 def test_cpu_expand_sees_an_adapter_row_rewritten_in_place(require_cpu_kernel):

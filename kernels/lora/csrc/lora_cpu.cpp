@@ -9,39 +9,19 @@
 //       y[t, b_s:b_s+1] += z[t, s*R:(s+1)*R] @ lora_bt[idx[t], :, b_s:b_s+1]  for each slice s
 //   float32; rows may be strided (unit stride inside a row); lora_a / lora_bt contiguous; idx int64.
 
-#if defined(__AVX512F__) && !defined(CPU_CAPABILITY_AVX512)
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && !defined(CPU_CAPABILITY_AVX2)
-#define CPU_CAPABILITY_AVX2
-#endif
+#include "cpu_vec.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <vector>
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using loraplex::axpy;
+using loraplex::dot;
 constexpr int64_t kTokensPerTask = 4;
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  Vec acc(0.f);
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
-  float sum = acc.reduce_add();
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {  // y += alpha * x
-  const Vec a(alpha);
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) at::vec::fmadd(a, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
-  for (; i < n; ++i) y[i] += alpha * x[i];
-}
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && (t.size(1) <= 1 || t.stride(1) == 1), name,

@@ -7,17 +7,10 @@
 //   block_tables [S, max_blocks] int32    context_lens [S] int32 (>= 1)
 //   returns      [S, Hq, D]: softmax(scale * q . K^T) V over keys 0 .. context_len - 1
 
-// ATen's vector types use AVX2 / AVX-512 only when told; -march=native says what this machine has.
-#if defined(__AVX512F__) && !defined(CPU_CAPABILITY_AVX512)
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && !defined(CPU_CAPABILITY_AVX2)
-#define CPU_CAPABILITY_AVX2
-#endif
+#include "cpu_vec.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -27,7 +20,7 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using loraplex::Vec;
 
 // Softmax numerators of row[0 .. n) in place (exp(x - max)); returns their sum.
 inline float softmax_numerators(float* row, int64_t n) {
