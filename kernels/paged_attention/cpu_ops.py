@@ -5,6 +5,8 @@ and reads it again, three passes over memory for one. The C++ kernel reads each 
 and the K/V stores are the torch path's (large matmuls there; the copy is a small share).
 """
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -16,17 +18,14 @@ store_kv = torch_ops.store_kv
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMeta, scale: float) -> Tensor:
-    """As torch_ops.attention; q: [T, Hq, D] · k_cache, v_cache: [num_blocks, block_size, Hkv, D]."""
+    """As torch_ops.attention, decode tokens through the C++ kernel (float32 on CPU, where it builds).
+    q: [T, Hq, D] · k_cache, v_cache: [num_blocks, block_size, Hkv, D] · returns [T, Hq, D]"""
     native = cpu_native.load()
-    if native is None or q.dtype != torch.float32 or q.device.type != "cpu" or not meta.num_decode_seqs:
+    if native is None or q.dtype != torch.float32 or q.device.type != "cpu":
         return torch_ops.attention(q, k_cache, v_cache, meta, scale)
-    num_prefill, num_decode = meta.num_prefill_tokens, meta.num_decode_seqs
-    out = torch.empty(q.shape, dtype=q.dtype)  # [T, Hq, D]
-    if num_prefill:
-        out[:num_prefill] = torch_ops.prefill_attention(q, k_cache, v_cache, meta, scale)
-    decode = slice(num_prefill, num_prefill + num_decode)
-    out[decode] = native.paged_decode_attention(
-        q[decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
-    )
-    out[num_prefill + num_decode :] = 0
-    return out
+    return torch_ops.attention(q, k_cache, v_cache, meta, scale, decode=partial(_decode, native))
+
+
+def _decode(native, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMeta, scale: float) -> Tensor:
+    """One new token per decode seq, K/V read in place; q: [D, Hq, Dh] · returns [D, Hq, Dh]."""
+    return native.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)

@@ -7,6 +7,8 @@ Whole blocks are gathered and the unused slots masked, and a masked NaN still po
 slots never written must hold finite values (allocate caches with torch.zeros, not torch.empty).
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -23,10 +25,19 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Paged
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.store_slots, v)
 
 
-def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMeta, scale: float) -> Tensor:
+def attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: PagedAttentionMeta,
+    scale: float,
+    decode: Callable[[Tensor, Tensor, Tensor, PagedAttentionMeta, float], Tensor] | None = None,
+) -> Tensor:
     """out[t] = softmax(scale * q[t] @ K_s.T) @ V_s over the keys of t's seq s up to t's position (causal),
     read from the cache through s's block table; kv head of q head h is h // (Hq // Hkv); pad tokens get 0.
-    q: [T, Hq, D] · k_cache, v_cache: [num_blocks, block_size, Hkv, D] · returns [T, Hq, D]"""
+    q: [T, Hq, D] · k_cache, v_cache: [num_blocks, block_size, Hkv, D] · returns [T, Hq, D]
+    decode: the decode tokens' attention, decode_attention's signature (default: decode_attention; the cpu
+    backend gives its C++ kernel)."""
     if q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} kv heads")
     if k_cache.shape[1] != meta.block_size:
@@ -36,8 +47,8 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionM
     if num_prefill:
         out[:num_prefill] = prefill_attention(q, k_cache, v_cache, meta, scale)
     if num_decode:
-        decode = slice(num_prefill, num_prefill + num_decode)
-        out[decode] = decode_attention(q[decode], k_cache, v_cache, meta, scale)
+        rows = slice(num_prefill, num_prefill + num_decode)
+        out[rows] = (decode or decode_attention)(q[rows], k_cache, v_cache, meta, scale)
     out[num_prefill + num_decode :] = 0
     return out
 
