@@ -29,6 +29,7 @@ from pathlib import Path
 from bench import BenchError
 from bench.background_load import background_load
 from bench.peer_workload import PeerWorkload
+from engine.cpu_threads import usable_cores
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODES = ("base", "lora")
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex bench peer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-venv", type=Path, help="a virtual environment with vllm (CPU) installed")
     parser.add_argument("--vllm-preload", help="LD_PRELOAD for vLLM (default: the venv's libiomp5 and a tcmalloc)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="per system (%(default)s)")
+    parser.add_argument("--threads", type=int, default=usable_cores(), help="per system (%(default)s)")
     parser.add_argument(
         "--fixed-threads", action="store_true", help="loraplex keeps --threads under load (default: adapts)"
     )
@@ -175,7 +176,7 @@ def summarize(results: list[dict], args: argparse.Namespace, workload: PeerWorkl
             ratios[f"{system} lora/base"] = tok_s[system, "lora"] / tok_s[system, "base"]
     return {
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": f"{os.cpu_count()} cores",
+        "machine": f"{usable_cores()} usable cores",
         "threads": args.threads,
         "background_load": args.background_load,
         "loraplex_threads": "fixed" if args.fixed_threads else "adaptive",

@@ -3,22 +3,17 @@ subprocess (for restarts and signals). Both listen on 127.0.0.1 with a port the 
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
+from bench.server_process import ServeProcess
 from gateway.server import make_server
 from gateway.settings import ServeSettings
 from tests.hf_models import make_adapter, make_model
 
 ADMIN_KEY = "test-admin-key"
 BASE = "tiny-llama"
-READY = re.compile(r"loraplex ready at (http://\S+)")
 START_TIMEOUT_S = 180
 
 
@@ -51,38 +46,11 @@ class ServerThread:
         return self.server.app.state.gateway
 
 
-class ServerProcess:
-    """`loraplex serve ARGS` in a subprocess; the URL comes from its ready line."""
+class ServerProcess(ServeProcess):
+    """`loraplex serve ARGS` in a subprocess (bench/server_process.py), within the tests' start-up bound."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
-        self.args, self.log_path = args, log_path
-        self.env = {**os.environ, **(env or {})}
-        self.process: subprocess.Popen | None = None
-        self.url: str | None = None
-
-    def __enter__(self) -> ServerProcess:
-        command = [sys.executable, "-m", "loraplex.cli", "serve", "--host", "127.0.0.1", "--port", "0", *self.args]
-        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        self.log = open(self.log_path, "a")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while self.url is None:
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"loraplex serve did not start:\n{self.log_path.read_text()[-4000:]}")
-            match = READY.search(self.log_path.read_text()[offset:])
-            self.url = match.group(1) if match else None
-            time.sleep(0.1)
-        return self
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-        return self.process.wait(timeout=90)
-
-    def __exit__(self, *exc) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.stop()
-        self.log.close()
+        super().__init__(args, log_path, env, START_TIMEOUT_S)
 
 
 def build_tiny(root: Path, tokenizer, ranks: dict[str, int]):
