@@ -71,9 +71,10 @@ class LLMEngine:
         if config.device == "cpu":
             # one OpenMP team per core it may keep: a team larger than the free cores stalls at every barrier
             # while a thread is descheduled (measured 5-7x slower with a busy neighbour on 2 cores)
-            torch.set_num_threads(config.cpu_threads)
-            if config.cpu_threads_adapt:
+            if config.cpu_threads_adapt:  # sets the team, then follows the free cores
                 self.thread_governor = ThreadGovernor(config.cpu_threads)
+            else:
+                torch.set_num_threads(config.cpu_threads)
         self.runner = ModelRunner(config)
         arch = self.runner.arch
         self.max_model_len = min(
