@@ -13,6 +13,11 @@ if ! command -v redis-server >/dev/null || ! has_postgres; then
         echo "tests need redis-server and PostgreSQL (initdb, pg_ctl): install them" >&2
     fi
 fi
+# The C++ CPU kernels (kernels/*/csrc) build with the machine's compiler; without one their tests skip.
+if ! command -v c++ >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends g++ >/dev/null
+fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 exec .venv/bin/python -m pytest "$@"
