@@ -11,6 +11,7 @@ from dataclasses import dataclass
 class LoRARequest:
     adapter_id: str  # a registry name@version, or any name the caller picks offline
     path: str  # the PEFT directory (adapter_config.json + adapter_model.safetensors)
+    digest: str | None = None  # the content the caller expects (the registry's); None offline. Not part of the key
 
     @property
     def key(self) -> tuple[str, str]:

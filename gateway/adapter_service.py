@@ -15,6 +15,7 @@ from pathlib import Path
 from engine.interface import AdapterError, AdapterInfo, AsyncEngine, LoRARequest, Tier
 from gateway.adapter_roots import AdapterRoots
 from gateway.errors import APIError, model_not_found
+from registry.adapter_store import AdapterStore
 from registry.adapters import ALL_TENANTS, AdapterExists, AdapterRegistry, check_name, split_adapter_id
 from registry.models import Adapter
 
@@ -39,12 +40,20 @@ class ModelChoice:
 
 
 def lora_request(adapter: Adapter) -> LoRARequest:
-    return LoRARequest(adapter.adapter_id, adapter.path)
+    return LoRARequest(adapter.adapter_id, adapter.path, adapter.digest)
 
 
 class AdapterService:
-    def __init__(self, registry: AdapterRegistry, engine: AsyncEngine, roots: AdapterRoots, base_model: str):
+    def __init__(
+        self,
+        registry: AdapterRegistry,
+        engine: AsyncEngine,
+        roots: AdapterRoots,
+        base_model: str,
+        store: AdapterStore | None = None,
+    ):
         self.registry, self.engine, self.roots, self.base_model = registry, engine, roots, base_model
+        self.store = store  # the adapters' files by digest, for replicas elsewhere (None: paths only)
 
     # ---- registering ----------------------------------------------------------------------------------
     async def validate(self, adapter_id: str, path: Path) -> AdapterInfo:
@@ -78,6 +87,7 @@ class AdapterService:
         # a name@version new to the registry: whatever this process still holds under it is stale
         await self._evict(LoRARequest(f"{name}@{version}", str(resolved)))
         info = await self.validate(f"{name}@{version}", resolved)
+        await self._store_files(info.digest, resolved)
         row = Adapter(
             name=name,
             version=version,
@@ -107,9 +117,19 @@ class AdapterService:
         if latest is not None and latest.path == str(resolved):
             info = await self.validate(latest.adapter_id, resolved)
             if info.digest == latest.digest:
+                await self._store_files(info.digest, resolved)  # registered before the store existed
                 return latest
             await self.evict(latest)
         return await self.register(name, path)
+
+    async def _store_files(self, digest: str, directory: Path) -> None:
+        if self.store is not None:
+            try:
+                stored = await self.store.put(digest, directory)
+            except ValueError as e:
+                raise APIError(422, str(e), param="path", code="invalid_adapter") from None
+            if stored:
+                logger.info("stored %d bytes of adapter files under %s", stored, digest[:19])
 
     # ---- serving --------------------------------------------------------------------------------------
     async def choose(self, model: str, lora_name: str | None, tenant: str | None) -> ModelChoice:
@@ -150,6 +170,8 @@ class AdapterService:
     async def delete(self, name: str, version: str | None, tenant: str | None = ALL_TENANTS) -> list[Adapter]:
         rows = await self.registry.delete(name, version, tenant)
         for row in rows:
+            if self.store is not None:
+                await self.store.delete_unreferenced(row.digest)
             pinned = await self.evict(row)
             logger.info("deleted adapter '%s'%s", row.adapter_id, " (freed when its requests finish)" if pinned else "")
         return rows

@@ -1,5 +1,5 @@
 """RegistryDatabase: the registry as a running gateway holds it: one connection pool and one repository per table
-(adapters, tenants, API keys, usage rollups), a liveness check, the schema's revision, and closing.
+(adapters, their files, tenants, API keys, usage rollups), a liveness check, the schema's revision, and closing.
 
 Every SQL statement the gateway causes is in these repositories; the gateway passes them around, never sessions.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 from sqlalchemy import URL, text
 
 from registry import db
+from registry.adapter_store import AdapterStore
 from registry.adapters import AdapterRegistry
 from registry.api_keys import ApiKeyRepository
 from registry.tenants import TenantRepository
@@ -20,6 +21,7 @@ class RegistryDatabase:
         self.engine = db.create_engine(url)
         sessions = db.sessionmaker(self.engine)
         self.adapters = AdapterRegistry(sessions)
+        self.store = AdapterStore(sessions)  # the adapters' files, by content digest
         self.tenants = TenantRepository(sessions)
         self.api_keys = ApiKeyRepository(sessions)
         self.usage = UsageRollups(sessions)

@@ -1,4 +1,5 @@
-"""The registry's tables: adapters (name@version), tenants, their API keys (hashed), and usage rollups.
+"""The registry's tables: adapters (name@version) and their files (by content digest), tenants, their API keys
+(hashed), and usage rollups.
 
 SQLAlchemy 2.0 declarative models; the schema itself is created and changed only by Alembic
 (`migrations/`), never by `create_all`, so a PostgreSQL shared by many replicas and a local SQLite file
@@ -17,6 +18,7 @@ from sqlalchemy import (
     Float,
     ForeignKey,
     Integer,
+    LargeBinary,
     String,
     Text,
     UniqueConstraint,
@@ -90,6 +92,19 @@ class Adapter(Base):
     def adapter_id(self) -> str:
         """The registry key the engine sees: name@version."""
         return f"{self.name}@{self.version}"
+
+
+class AdapterFile(Base):
+    """One file of a registered adapter's PEFT directory, under the adapter's content digest (shared by every
+    name@version with the same weights)."""
+
+    __tablename__ = "adapter_files"
+
+    digest: Mapped[str] = mapped_column(String(80), primary_key=True)
+    filename: Mapped[str] = mapped_column(String(255), primary_key=True)
+    content: Mapped[bytes] = mapped_column(LargeBinary)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow, server_default=func.now())
 
 
 class UsageRollup(Base):
