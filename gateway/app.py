@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from gateway.metrics import ErrorCounter, GatewayMetrics
 from gateway.openai_serving import OpenAIServing
 from gateway.redis_persistence import warn_unless_persistent
 from gateway.request_limits import RequestLimits
-from gateway.routes import admin_adapters, admin_tenants, health, metrics, openai, vllm_adapters
+from gateway.routes import admin_adapters, admin_replicas, admin_tenants, health, metrics, openai, vllm_adapters
 from gateway.routes.health import package_version
 from gateway.settings import ServeSettings
 from gateway.state import GatewayState
@@ -49,13 +50,23 @@ def _model_and_modules(settings: ServeSettings) -> tuple[str, str, list[tuple[st
     return settings.model, settings.base_model_name, modules
 
 
-async def start(settings: ServeSettings) -> GatewayState:
+EngineFactory = Callable[[ServeSettings, str], Awaitable[AsyncEngine]]  # (settings, model path) -> the engine
+
+
+async def local_engine(settings: ServeSettings, model_dir: str) -> AsyncEngine:
+    """The engine in this process (`loraplex serve`); gateway/cluster gives a RemoteEngine over Ray Serve instead."""
+    logger.info("loading %s", model_dir)
+    return await asyncio.to_thread(AsyncEngine.from_config, settings.engine_config(model_dir, enable_lora=True))
+
+
+async def start(settings: ServeSettings, make_engine: EngineFactory = local_engine) -> GatewayState:
     model_dir, base_model, modules = await asyncio.to_thread(_model_and_modules, settings)
     await asyncio.to_thread(db.upgrade, settings.database_url)
     database = RegistryDatabase(settings.database_url)
-    logger.info("loading %s", model_dir)
-    engine = await asyncio.to_thread(AsyncEngine.from_config, settings.engine_config(model_dir, enable_lora=True))
-    adapters = AdapterService(database.adapters, engine, AdapterRoots(settings.adapter_root), base_model)
+    engine = await make_engine(settings, model_dir)
+    adapters = AdapterService(
+        database.adapters, engine, AdapterRoots(settings.adapter_root), base_model, store=database.store
+    )
     for name, path in tqdm(modules, desc="registering adapters", unit="adapter", disable=not modules):
         adapter = await adapters.ensure_registered(name, path)
         tier = await adapters.warm(adapter) if settings.preload else "disk"
@@ -106,10 +117,10 @@ async def stop(state: GatewayState) -> None:
     logger.info("loraplex stopped")
 
 
-def build_app(settings: ServeSettings) -> FastAPI:
+def build_app(settings: ServeSettings, make_engine: EngineFactory = local_engine) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.gateway = await start(settings)
+        app.state.gateway = await start(settings, make_engine)
         app.state.drain.attach(asyncio.get_running_loop())
         request_exit = getattr(app.state, "request_exit", None)  # set by gateway.server.Server
         watch = asyncio.create_task(
@@ -132,6 +143,6 @@ def build_app(settings: ServeSettings) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(ErrorCounter)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_body_bytes)
-    for module in (openai, vllm_adapters, admin_adapters, admin_tenants, health, metrics):
+    for module in (openai, vllm_adapters, admin_adapters, admin_replicas, admin_tenants, health, metrics):
         app.include_router(module.router)
     return app

@@ -11,7 +11,7 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
@@ -91,6 +91,33 @@ class ServeSettings(EngineSettings):
         "/metrics answers loopback clients only",
     )
     log_level: str = Field("info", description="debug | info | warning | error")
+    # ---- scale-out on Ray Serve (gateway/cluster; needs the `ray` extra) ----
+    replicas: int = Field(
+        0,
+        ge=0,
+        description="engine replicas on Ray Serve behind this gateway, routed by adapter (0: one process, no Ray)",
+    )
+    ray_address: str | None = Field(
+        None, description="with --replicas: the Ray cluster to join (e.g. auto); default: start a local Ray instance"
+    )
+    replica_num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each engine replica")
+    replica_num_gpus: float | None = Field(
+        None,
+        ge=0,
+        description="GPUs Ray reserves for each engine replica (default: 1 with --device cuda or, with --device "
+        "auto, where this machine has CUDA; else 0. Set it when the GPUs are on other nodes)",
+    )
+    ingress_replicas: int = Field(1, ge=1, description="with --replicas: gateway (HTTP ingress) replicas on Ray")
+    replica_routing: Literal["adapter", "round-robin"] = Field(
+        "adapter",
+        description="with --replicas: adapter (Ray's multiplexed routing: replicas holding the adapter first) or "
+        "round-robin (the baseline for `loraplex bench replicas`)",
+    )
+    adapter_cache_dir: str | None = Field(
+        None,
+        description="where an engine replica writes the adapters it fetches from the registry database by content "
+        "digest (default $XDG_CACHE_HOME/loraplex/adapters, else ~/.cache/loraplex/adapters)",
+    )
 
     @model_validator(mode="after")
     def _default_database(self) -> ServeSettings:

@@ -246,3 +246,12 @@ def test_a_name_version_re_registered_on_another_replica_never_serves_the_old_we
 
 def lora_request_of(adapter_id: str, path) -> LoRARequest:
     return LoRARequest(adapter_id, str(Path(path).resolve()))
+
+
+def test_the_single_process_server_is_one_replica_holding_what_its_engine_holds(http):
+    assert complete(http, "sql").status_code == 200
+    assert http.get("/admin/replicas").status_code == 401  # admin only
+    replicas = http.get("/admin/replicas", headers=ADMIN).json()["data"]
+    assert [r["replica_id"] for r in replicas] == ["local"]
+    assert "sql@1" in replicas[0]["resident_adapters"]
+    assert replicas[0]["engine"]["max_loras"] == 2
