@@ -1,6 +1,7 @@
 """The deploy/ files (Dockerfile, docker-compose.yml, Kubernetes manifests, README) stay in step with the code:
-they parse, name only real settings and subcommands, reference files and objects that exist, and the image
-copies every package. Fast: no network, no docker, no cluster."""
+they parse, name only real settings and subcommands, reference files and objects that exist, every built-in
+Kubernetes object validates against the Kubernetes schemas, and the image copies every package. Fast: no network,
+no docker, no cluster. The Ray Serve parts (deploy/k8s/ray, the compose topology) are in test_deploy_ray.py."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import json
 import os
 import re
 import shlex
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -24,6 +28,11 @@ K8S = DEPLOY / "k8s"
 DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE = DEPLOY / "docker-compose.yml"
 README = DEPLOY / "README.md"
+SECRET_TEMPLATE = K8S / "secret.example.yaml"  # loraplex-secrets: created by hand, never applied as it is
+GATEWAY_SERVICE = "ray-head"  # the compose service that runs `loraplex serve`
+# Kubernetes version the built-in objects are validated against (kubernetes-validate ships its schemas, offline)
+K8S_VERSION = "1.35.0"
+CUSTOM_RESOURCES = {("ray.io/v1", "RayService")}  # no schema in kubernetes-validate: checked in test_deploy_ray.py
 
 SETTING_VARS = {ENV_PREFIX + name.upper() for name in ServeSettings.model_fields}
 ENV_VAR = re.compile(rf"\b{ENV_PREFIX}[A-Z0-9_]+\b")
@@ -35,17 +44,55 @@ def load_all(path: Path) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
 
 
-def k8s_objects(directory: Path = K8S) -> list[dict]:
-    """The objects of every manifest directly in `directory` (kustomizations excluded, templates included)."""
-    return [
-        doc for path in sorted(directory.glob("*.yaml")) if path.name != "kustomization.yaml" for doc in load_all(path)
-    ]
+def k8s_files() -> list[Path]:
+    """Every manifest under deploy/k8s (kustomizations excluded, templates included)."""
+    return sorted(path for path in K8S.rglob("*.yaml") if path.name != "kustomization.yaml")
 
 
-def pod_spec(obj: dict) -> dict | None:
+def kustomization(directory: Path) -> dict:
+    return yaml.safe_load((directory / "kustomization.yaml").read_text())
+
+
+def kustomization_objects(directory: Path) -> list[dict]:
+    """The objects `kubectl apply -k directory` makes from files: its resources, directories followed (objects
+    from generators are in `generated_keys`)."""
+    objects = []
+    for resource in kustomization(directory)["resources"]:
+        target = directory / resource
+        objects += kustomization_objects(target) if target.is_dir() else load_all(target)
+    return objects
+
+
+def generated_keys(directory: Path, generator: str = "secretGenerator") -> dict[str, set[str]]:
+    """name -> keys of the Secrets (or ConfigMaps) the kustomization's generators make, directories followed."""
+    keys = {}
+    for resource in kustomization(directory)["resources"]:
+        if (directory / resource).is_dir():
+            keys |= generated_keys(directory / resource, generator)
+    for gen in kustomization(directory).get(generator, []):
+        names = {item.split("=")[0] for item in gen.get("literals", [])}
+        names |= {Path(item.split("=")[0]).name for item in gen.get("files", [])}
+        for env_file in gen.get("envs", []):
+            lines = (directory / env_file).read_text().splitlines()
+            names |= {line.split("=")[0] for line in lines if "=" in line and not line.startswith("#")}
+        keys[gen["name"]] = names
+    return keys
+
+
+def secret_template() -> dict:
+    return load_all(SECRET_TEMPLATE)[0]
+
+
+def pod_templates(obj: dict) -> dict[str, dict]:
+    """The pod templates in a workload or a RayService, by a name for messages."""
+    name = obj["metadata"]["name"]
     if obj["kind"] in ("Deployment", "StatefulSet", "Job", "DaemonSet"):
-        return obj["spec"]["template"]["spec"]
-    return None
+        return {name: obj["spec"]["template"]}
+    if obj["kind"] == "RayService":
+        cluster = obj["spec"]["rayClusterConfig"]
+        groups = {"head": cluster["headGroupSpec"]} | {g["groupName"]: g for g in cluster.get("workerGroupSpecs", [])}
+        return {f"{name}-{group}": spec["template"] for group, spec in groups.items()}
+    return {}
 
 
 def is_loraplex_image(image: str) -> bool:
@@ -60,9 +107,17 @@ def parse_cli(argv: list[str]):
         pytest.fail(f"`loraplex {shlex.join(argv)}` is not a valid loraplex command line")
 
 
-def shell_invocations(script: str) -> list[list[str]]:
-    """The argument lists of each `loraplex ...` in a shell script (up to the next ; & | or newline)."""
-    return [shlex.split(match) for match in re.findall(r"\bloraplex\s+([^;&|\n]+)", script)]
+def service_commands(svc: dict) -> list[list[str]]:
+    """The command lines a compose service runs, program first: the image's entrypoint (`loraplex`) with the
+    service's command, its own entrypoint with it, or each `loraplex ...` and `ray ...` of a `sh -c` script (up to
+    the next ; & | or newline)."""
+    entrypoint = svc.get("entrypoint")
+    if entrypoint is None:
+        return [["loraplex", *svc.get("command", ["serve"])]]
+    if entrypoint[:2] == ["sh", "-c"]:
+        script = " ".join(svc.get("command", []))
+        return [shlex.split(match) for match in re.findall(r"\b((?:loraplex|ray)\s+[^;&|\n]+)", script)]
+    return [[*entrypoint, *svc.get("command", [])]]
 
 
 def compose() -> dict:
@@ -104,8 +159,9 @@ def seconds(duration: str | int) -> float:
 
 
 def test_there_are_deploy_files():
-    assert DOCKERFILE.is_file() and COMPOSE.is_file() and README.is_file()
-    assert (K8S / "kustomization.yaml").is_file() and (K8S / "dev" / "kustomization.yaml").is_file()
+    assert DOCKERFILE.is_file() and COMPOSE.is_file() and README.is_file() and SECRET_TEMPLATE.is_file()
+    for directory in (K8S, K8S / "common", K8S / "dev", K8S / "ray"):
+        assert directory / "kustomization.yaml" in KUSTOMIZATIONS
 
 
 @pytest.mark.parametrize("path", YAML_FILES, ids=lambda p: str(p.relative_to(DEPLOY)))
@@ -138,7 +194,7 @@ def test_readme_settings_table_lists_every_setting_once():
 
 
 def test_compose_gateway_environment_is_valid_settings(monkeypatch):
-    env = {k: interpolate(v) for k, v in compose()["services"]["loraplex"]["environment"].items()}
+    env = {k: interpolate(v) for k, v in compose()["services"][GATEWAY_SERVICE]["environment"].items()}
     settings = settings_from(env, monkeypatch)
     assert settings.database_url.startswith("postgresql://")
     assert settings.redis_url.startswith("redis://")
@@ -148,9 +204,10 @@ def test_compose_gateway_environment_is_valid_settings(monkeypatch):
 
 
 def test_k8s_config_and_secret_template_are_valid_settings(monkeypatch):
-    objects = k8s_objects()
+    objects = kustomization_objects(K8S)
     config = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "loraplex-config")
-    secret = next(o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == "loraplex-secrets")
+    secret = secret_template()
+    assert secret["kind"] == "Secret" and secret["metadata"]["name"] == "loraplex-secrets"
     assert all(isinstance(v, str) for v in config["data"].values()), "ConfigMap values must be strings"
     assert all("REPLACE_ME" in v for v in secret["stringData"].values()), "the Secret template holds placeholders"
     settings = settings_from({**config["data"], **secret["stringData"]}, monkeypatch)
@@ -184,29 +241,28 @@ def test_dockerfile_entrypoint_and_cmd():
 
 
 def test_compose_commands_are_loraplex_subcommands():
-    services = compose_loraplex_services()
     handlers = {}
-    for name, svc in services.items():
-        if "entrypoint" in svc:  # a shell wrapper: check every loraplex call in it
-            script = " ".join([*svc["entrypoint"], *svc.get("command", [])])
-            calls = shell_invocations(script)
-            assert calls, f"service {name} overrides the entrypoint without calling loraplex"
-            handlers[name] = [parse_cli(argv).func.__name__ for argv in calls]
-        else:
-            handlers[name] = [parse_cli(svc.get("command", ["serve"])).func.__name__]
-    assert handlers["loraplex"] == ["_serve"]
+    for name, svc in compose_loraplex_services().items():
+        commands = service_commands(svc)
+        assert commands, f"service {name} overrides the entrypoint without calling loraplex or ray"
+        for argv in commands:  # `ray start` lines are checked against ray's own options in test_deploy_ray.py
+            assert argv[0] in ("loraplex", "ray"), f"service {name} runs {argv[0]}, not loraplex or ray"
+        handlers[name] = [parse_cli(argv[1:]).func.__name__ for argv in commands if argv[0] == "loraplex"]
+    assert handlers[GATEWAY_SERVICE] == ["_serve"]
     assert handlers["migrate"] == ["_db_upgrade"]
+    assert handlers["demo-model"] == ["_generate"]
     assert parse_cli(["db", "upgrade", "--database-url", "x"]).database_url == "x"
 
 
 def test_k8s_commands_are_loraplex_subcommands():
     handlers = {}
-    for obj in [*k8s_objects(), *k8s_objects(K8S / "dev")]:
-        spec = pod_spec(obj)
-        for container in (spec or {}).get("containers", []) + (spec or {}).get("initContainers", []):
-            if is_loraplex_image(container["image"]):
-                assert "command" not in container, "keep the image's entrypoint (loraplex); pass args"
-                handlers[obj["metadata"]["name"]] = parse_cli(container["args"]).func.__name__
+    for obj in [*kustomization_objects(K8S), *kustomization_objects(K8S / "dev")]:
+        for name, template in pod_templates(obj).items():
+            spec = template["spec"]
+            for container in spec["containers"] + spec.get("initContainers", []):
+                if is_loraplex_image(container["image"]):
+                    assert "command" not in container, "keep the image's entrypoint (loraplex); pass args"
+                    handlers[name] = parse_cli(container["args"]).func.__name__
     assert handlers == {"loraplex": "_serve", "loraplex-migrate": "_db_upgrade"}
 
 
@@ -260,35 +316,95 @@ def test_kustomization_lists_existing_files(path):
     assert not unlisted, f"{path}: not listed: {unlisted}"
 
 
-def test_k8s_references_resolve():
-    objects = k8s_objects()
+@pytest.mark.parametrize("directory", [K8S, K8S / "dev", K8S / "ray"], ids=lambda d: str(d.relative_to(DEPLOY)))
+def test_k8s_references_resolve(directory):
+    """Every volume, ConfigMap and Secret a pod template names is made by the same kustomization (a resource or a
+    generator), or is the Secret made by hand from secret.example.yaml."""
+    objects = kustomization_objects(directory)
     named = {(o["kind"], o["metadata"]["name"]) for o in objects}
-    secret = next(o for o in objects if o["kind"] == "Secret")
-    for obj in objects:
-        spec = pod_spec(obj)
-        if spec is None:
-            continue
+    template = secret_template()
+    secrets = {
+        o["metadata"]["name"]: {*o.get("data", {}), *o.get("stringData", {})} for o in objects if o["kind"] == "Secret"
+    }
+    secrets |= generated_keys(directory) | {template["metadata"]["name"]: set(template["stringData"])}
+    configs = {o["metadata"]["name"]: set(o.get("data", {})) for o in objects if o["kind"] == "ConfigMap"}
+    configs |= generated_keys(directory, "configMapGenerator")
+    claims = {c["metadata"]["name"] for o in objects for c in o.get("spec", {}).get("volumeClaimTemplates", [])}
+    templates = {name: pod for obj in objects for name, pod in pod_templates(obj).items()}
+    assert templates, f"{directory}: no pod templates"
+    for name, pod in templates.items():
+        spec = pod["spec"]
         for volume in spec.get("volumes", []):
             if "persistentVolumeClaim" in volume:
-                assert ("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]) in named
+                claim = volume["persistentVolumeClaim"]["claimName"]
+                assert ("PersistentVolumeClaim", claim) in named or claim in claims, f"{name}: no PVC {claim}"
             if "configMap" in volume:
-                assert ("ConfigMap", volume["configMap"]["name"]) in named
-        mounts = {v["name"] for v in spec.get("volumes", [])}
-        for container in spec["containers"]:
-            assert {m["name"] for m in container.get("volumeMounts", [])} <= mounts
+                assert volume["configMap"]["name"] in configs, f"{name}: no ConfigMap {volume['configMap']['name']}"
+            if "secret" in volume:
+                assert volume["secret"]["secretName"] in secrets, f"{name}: no Secret {volume['secret']['secretName']}"
+        mounts = {v["name"] for v in spec.get("volumes", [])} | claims
+        for container in spec["containers"] + spec.get("initContainers", []):
+            assert {m["name"] for m in container.get("volumeMounts", [])} <= mounts, f"{name}: mount of no volume"
             for source in container.get("envFrom", []):
                 if "configMapRef" in source:
-                    assert ("ConfigMap", source["configMapRef"]["name"]) in named
+                    assert source["configMapRef"]["name"] in configs, f"{name}: no ConfigMap {source}"
                 if "secretRef" in source:
-                    assert source["secretRef"]["name"] == secret["metadata"]["name"]
+                    assert source["secretRef"]["name"] in secrets, f"{name}: no Secret {source}"
             for var in container.get("env", []):
                 ref = var.get("valueFrom", {}).get("secretKeyRef")
                 if ref:
-                    assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["stringData"]
+                    assert ref["key"] in secrets.get(ref["name"], ()), f"{name}: no Secret key {ref}"
+                ref = var.get("valueFrom", {}).get("configMapKeyRef")
+                if ref:
+                    assert ref["key"] in configs.get(ref["name"], ()), f"{name}: no ConfigMap key {ref}"
+
+
+def k8s_validation_cases() -> list:
+    """(built-in object, id) for every object of every manifest; a custom resource's pod templates as PodTemplates."""
+    cases = []
+    for path in k8s_files():
+        for obj in load_all(path):
+            where = f"{path.relative_to(K8S)}:{obj['kind']}/{obj['metadata']['name']}"
+            if (obj["apiVersion"], obj["kind"]) not in CUSTOM_RESOURCES:
+                cases.append(pytest.param(obj, id=where))
+            for name, template in pod_templates(obj).items() if obj["kind"] == "RayService" else ():
+                pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name}}
+                cases.append(pytest.param(pod_template | {"template": template}, id=f"{where}:{name}"))
+    return cases
+
+
+@pytest.mark.parametrize("obj", k8s_validation_cases())
+def test_k8s_object_validates_against_the_kubernetes_schema(obj):
+    """Strict: a misspelled or misplaced field fails, as `kubectl apply` with server-side field validation would."""
+    assert K8S_VERSION in kubernetes_validate.utils.all_versions(), "kubernetes-validate no longer ships K8S_VERSION"
+    error = None
+    try:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        error = f"{'.'.join(map(str, e.path))}: {e.message}"
+    except kubernetes_validate.SchemaNotFoundError as e:
+        error = f"{e.message}: a custom resource? add it to CUSTOM_RESOURCES and check it in test_deploy_ray.py"
+    assert error is None, error
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_kustomization_builds(path):
+    """`kubectl kustomize` (kustomize's own load rules: files outside the directory only through directories)."""
+    kustomize = shutil.which("kustomize") or shutil.which("kubectl")
+    if kustomize is None:
+        pytest.skip("neither kustomize nor kubectl is installed")
+    command = [kustomize, "build"] if kustomize.endswith("kustomize") else [kustomize, "kustomize"]
+    done = subprocess.run([*command, str(path.parent)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    built = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    expected = kustomization_objects(path.parent)
+    assert len(built) == len(expected) + len(generated_keys(path.parent)) + len(
+        generated_keys(path.parent, "configMapGenerator")
+    )
 
 
 def test_k8s_deployment():
-    objects = k8s_objects()
+    objects = kustomization_objects(K8S)
     deployment = next(o for o in objects if o["kind"] == "Deployment")
     spec = deployment["spec"]
     pod = spec["template"]
@@ -328,12 +444,11 @@ def test_k8s_deployment():
 
 def test_compose_services():
     services = compose()["services"]
-    assert {"postgres", "redis", "migrate", "loraplex"} <= services.keys()
+    assert {"postgres", "redis", "migrate", GATEWAY_SERVICE} <= services.keys()
     assert services["postgres"]["image"].split(":")[1].startswith("16")
     assert services["redis"]["image"].split(":")[1].startswith("7")
     assert "--appendonly yes" in " ".join(services["redis"]["command"]), "usage counters must survive restarts"
-    gateway = services["loraplex"]
-    assert gateway["deploy"]["replicas"] >= 2
+    gateway = services[GATEWAY_SERVICE]
     assert gateway["environment"][ENV_PREFIX + "ADMIN_KEY"].startswith("${" + ENV_PREFIX + "ADMIN_KEY:?")
     assert any(interpolate(v).split(":")[1:] == ["/adapters", "ro"] for v in gateway["volumes"]), "adapters: read-only"
     depends = gateway["depends_on"]
@@ -341,12 +456,15 @@ def test_compose_services():
     assert depends["migrate"]["condition"] == "service_completed_successfully"
     for name in ("postgres", "redis"):
         assert "healthcheck" in services[name]
-    assert "/ready" in " ".join(gateway["healthcheck"]["test"])  # the proxy waits for a ready gateway
+    assert "/ready" in " ".join(gateway["healthcheck"]["test"])  # healthy: ready to serve, not only alive
     declared = set(compose().get("volumes", {}))
-    for svc in services.values():
+    for name, svc in services.items():
         for volume in svc.get("volumes", []):
             source = interpolate(volume).split(":")[0]
-            assert source.startswith((".", "/")) or source in declared, f"undeclared volume {source}"
+            if source.startswith("."):
+                assert (DEPLOY / source).exists(), f"service {name} mounts {source}, which does not exist"
+            else:
+                assert source.startswith("/") or source in declared, f"undeclared volume {source}"
     graceful = float(
         gateway["environment"].get(
             ENV_PREFIX + "TIMEOUT_GRACEFUL_SHUTDOWN", ServeSettings.model_fields["timeout_graceful_shutdown"].default
@@ -356,6 +474,8 @@ def test_compose_services():
 
 
 def test_dev_redis_is_append_only():
-    redis = next(o for o in k8s_objects(K8S / "dev") if o["kind"] == "StatefulSet" and "redis" in o["metadata"]["name"])
+    redis = next(
+        o for o in kustomization_objects(K8S / "dev") if o["kind"] == "StatefulSet" and "redis" in o["metadata"]["name"]
+    )
     args = " ".join(redis["spec"]["template"]["spec"]["containers"][0]["args"])
     assert "--appendonly yes" in args
