@@ -25,7 +25,7 @@ from pathlib import Path
 from bench import BenchError, plots
 from bench.client import Target
 from bench.metrics import summarize
-from bench.peer import prepare_model, run_driver
+from bench.peer import add_model_options, prepare_model, run_driver
 from bench.peer_workload import PeerWorkload
 from bench.runner import RunLimits, run_requests
 from bench.server_process import ServeProcess
@@ -36,14 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex bench latency", description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2, help="the engine's cpu threads, both ways (%(default)s)")
     parser.add_argument("--concurrency", default="1,16,64", help="requests in flight, one run each (%(default)s)")
-    parser.add_argument("--adapters", type=int, default=8, help="K random adapters; 0: the base model (%(default)s)")
-    parser.add_argument("--rank", type=int, default=8)
+    add_model_options(parser)  # --adapters 0: the base model
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3, help="offline runs, the median counts (%(default)s)")
-    parser.add_argument("--model", type=Path, help="a model directory instead of the random 56M Llama")
-    parser.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="an adapter of --model")
     parser.add_argument("--result-dir", type=Path, default=Path("bench-results"))
     return parser
 

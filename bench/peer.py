@@ -45,10 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--background-load", type=int, default=0, help="busy processes beside (%(default)s)")
     parser.add_argument("--modes", default="base,lora", help="base, lora or both (%(default)s)")
-    parser.add_argument("--model", type=Path, help="a model directory instead of the random 56M Llama")
-    parser.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="an adapter of --model")
-    parser.add_argument("--adapters", type=int, default=8, help="K random adapters (%(default)s)")
-    parser.add_argument("--rank", type=int, default=8, help="of the random adapters (%(default)s)")
+    add_model_options(parser)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
@@ -100,6 +97,14 @@ def vllm_interpreter(venv: Path) -> Path:
     if check.returncode:
         raise BenchError(f"--vllm-venv {venv}: vllm does not import there ({check.stderr.strip().splitlines()[-1]})")
     return python
+
+
+def add_model_options(parser: argparse.ArgumentParser, adapters: int = 8) -> None:
+    """What `prepare_model` reads: a model and its adapters, or K random rank-R adapters on the random 56M Llama."""
+    parser.add_argument("--model", type=Path, help="a model directory instead of the random 56M Llama")
+    parser.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="an adapter of --model")
+    parser.add_argument("--adapters", type=int, default=adapters, help="K random adapters (%(default)s)")
+    parser.add_argument("--rank", type=int, default=8, help="of the random adapters (%(default)s)")
 
 
 def prepare_model(args: argparse.Namespace, tmp: Path) -> tuple[Path, list[tuple[str, str]], int]:

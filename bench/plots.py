@@ -84,3 +84,25 @@ def _p50_p99(runs: list[dict], xs: list[int], panels: tuple[tuple[str, str], ...
         _k_axis(ax, xs)
         ax.legend()
     return _save(fig, path)
+
+
+def replica_routing(runs: list[dict], path: Path) -> Path:
+    """One bar per routing in three panels: adapter loads and activations per 1,000 requests, output tokens/s,
+    TTFT p50 and p99."""
+    labels = [run["routing"] for run in runs]
+    x = np.arange(len(runs))
+    fig = Figure(figsize=(12, 4))
+    loads, throughput, ttft = fig.subplots(1, 3)
+    loads.bar(x - 0.2, [run["adapter_loads_per_1000"] for run in runs], 0.4, label="loads (disk → host)")
+    loads.bar(x + 0.2, [run["activations_per_1000"] for run in runs], 0.4, label="activations (host → device)")
+    loads.set(title="Adapter loads per 1,000 requests", ylabel="per 1,000 requests")
+    loads.legend(loc="upper left")
+    throughput.bar(x, [run["output_throughput"] for run in runs], 0.5, color="tab:green")
+    throughput.set(title="Throughput", ylabel="output tokens / s")
+    ttft.bar(x - 0.2, [run["ttft_ms"]["p50"] for run in runs], 0.4, label="p50")
+    ttft.bar(x + 0.2, [run["ttft_ms"]["p99"] for run in runs], 0.4, label="p99")
+    ttft.set(title="Time to first token", ylabel="ms")
+    ttft.legend()
+    for ax in (loads, throughput, ttft):
+        ax.set_xticks(x, labels)
+    return _save(fig, path)

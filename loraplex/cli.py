@@ -95,6 +95,12 @@ def _bench_latency(args: argparse.Namespace) -> None:
     bench_main(args.bench_args)
 
 
+def _bench_replicas(args: argparse.Namespace) -> None:
+    from bench.replicas import main as bench_main
+
+    bench_main(args.bench_args)
+
+
 def _bench_peer(args: argparse.Namespace) -> None:
     from bench.peer import main as bench_main
 
@@ -119,9 +125,18 @@ def _bench_sweep(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from gateway.server import serve
-
     settings = _settings(args)
+    if settings.replicas:  # engine replicas on Ray Serve; fails here, in one line, without Ray installed
+        from gateway.cluster.launch import RayMissing, require_ray
+        from gateway.cluster.launch import serve_on_ray as serve
+
+        try:
+            require_ray(settings)
+        except RayMissing as e:
+            raise SystemExit(f"loraplex serve: {e}") from None
+    else:
+        from gateway.server import serve
+
     if settings.model is not None:
         _check_model(settings.model, "serve")
     status = serve(with_demo(settings) if settings.model is None else settings)
@@ -260,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     latency.set_defaults(func=_bench_latency)
+    replicas = bench_sub.add_parser(
+        "replicas",
+        help="engine replicas on Ray Serve: adapter-affinity routing vs round-robin under skewed adapter traffic",
+        add_help=False,
+    )
+    replicas.set_defaults(func=_bench_replicas)
     return parser
 
 

@@ -150,3 +150,22 @@ def test_latency_runs_the_server_and_the_offline_engine_on_the_same_requests(mod
     assert result["server_over_offline"] == pytest.approx(expected)
     assert json.loads((tmp_path / "latency.json").read_text())["runs"][0]["concurrency"] == 1
     assert (tmp_path / "latency_vs_concurrency.png").stat().st_size > 0
+
+
+def test_replicas_compares_adapter_routing_with_round_robin_on_the_same_requests(model, tmp_path):
+    pytest.importorskip("ray.serve", reason="the Ray Serve mode needs the ray extra")
+    from bench import replicas
+
+    base, adapters = model
+    argv = ["--model", str(base), *(f"--lora={n}={p}" for n, p in adapters), "--max-loras", "1"]
+    argv += ["--num-prompts", "12", "--input-len", "8", "--output-len", "4", "--concurrency", "4"]
+    result = replicas.main([*argv, "--result-dir", str(tmp_path)])
+    assert [run["routing"] for run in result["runs"]] == ["adapter", "round-robin"]
+    for run in result["runs"]:
+        assert run["completed"] == 12 and run["failed"] == 0 and run["total_output_tokens"] == 12 * 4
+        # every request's adapter is resident somewhere after a load: at most one load per request, and some
+        assert 0 < run["adapter_loads_per_1000"] <= 1000 and run["ttft_ms"]["p50"] > 0
+    assert json.loads((tmp_path / "replicas.json").read_text())["replicas"] == 2
+    assert (tmp_path / "replica_routing.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="--routing takes"):
+        replicas.main([*argv, "--routing", "random"])
