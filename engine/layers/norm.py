@@ -1,9 +1,11 @@
-"""RMSNorm, computed in fp32 as Llama does, with an optional fused residual add."""
+"""RMSNorm, computed in fp32 as Llama does, with an optional fused residual add (one C++ pass on CPU float32)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.fused import fused_ops
 
 
 class RMSNorm(torch.nn.Module):
@@ -14,11 +16,21 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one kernel: (x * rstd) * weight
-            return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
+            native = fused_ops(x) if x.dim() == 2 else None
+            if native is None:
+                return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)  # [T, H]
+            native.rms_norm_cpu(out, x, self.weight, self.eps)
+            return out
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         return self.weight * normed
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual)."""
-        residual = x + residual
-        return self(residual), residual
+        """(norm(x + residual), x + residual). On CPU float32 both are written in place, into x and residual: the
+        callers pass a layer's fresh output and the running residual, which nothing else reads."""
+        native = fused_ops(x) if x.dim() == 2 and self.weight.dtype == torch.float32 else None
+        if native is None or residual.dtype != torch.float32:
+            residual = x + residual
+            return self(residual), residual
+        native.add_rms_norm_cpu(x, residual, self.weight, self.eps)
+        return x, residual

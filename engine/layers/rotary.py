@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from kernels.fused import fused_ops
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -26,6 +29,16 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None)
     return torch.where(is_medium, smoothed, scaled)
 
 
+@dataclass(frozen=True, slots=True)
+class Rope:
+    """One step's rotary inputs, made once and shared by every layer."""
+
+    positions: torch.Tensor  # [T] int64
+    table: torch.Tensor  # [max_position, D] fp32: cos | sin halves
+    cos: torch.Tensor  # [T, 1, D/2]
+    sin: torch.Tensor  # [T, 1, D/2]
+
+
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None):
         super().__init__()
@@ -40,12 +53,22 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq)  # [P, D/2]
         return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for each position: [T, 1, D/2] each (fp32)."""
+    def forward(self, positions: torch.Tensor) -> Rope:
+        """The step's Rope: cos, sin for each position, [T, 1, D/2] each (fp32), and the table they come from."""
         if self.cos_sin is None or self.cos_sin.device != positions.device:
             self.cos_sin = self._build(positions.device)
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
+        return Rope(positions, self.cos_sin, cos, sin)
+
+
+def rotate_heads(x: torch.Tensor, heads: int, head_dim: int, rope: Rope) -> torch.Tensor:
+    """The first `heads` heads of each row of x [T, W] (W >= heads * head_dim), rotated: [T, heads, head_dim].
+    On CPU float32 they are rotated in place in x, in one C++ pass; else into a new tensor by apply_rotary."""
+    native = fused_ops(x) if x.stride(-1) == 1 and rope.table.dtype == torch.float32 else None
+    if native is None:
+        return apply_rotary(x[:, : heads * head_dim].view(x.shape[0], heads, head_dim), rope.cos, rope.sin)
+    native.rotary_neox_cpu(x, rope.positions, rope.table, heads)
+    return x[:, : heads * head_dim].view(x.shape[0], heads, head_dim)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

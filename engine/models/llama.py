@@ -15,9 +15,10 @@ from torch import nn
 from engine.layers.attention import PagedAttention
 from engine.layers.lora_linear import apply_linear
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.layers.rotary import Rope, RotaryEmbedding, apply_rotary, rotate_heads
 from engine.models.arch import ModelArch
 from engine.step_meta import StepMeta
+from kernels.fused import fused_ops
 from kernels.lora import LoraMeta
 
 # checkpoint name -> (our packed module, which slice)
@@ -53,7 +54,7 @@ class Attention(nn.Module):
         self.qk_norm = arch.qk_norm
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, attention_backend)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: StepMeta):
+    def forward(self, x: torch.Tensor, rope: Rope, meta: StepMeta):
         num_tokens = x.shape[0]
         qkv = apply_linear(self.qkv_proj, x, meta.lora)  # [T, q_size + 2 kv_size]
         q, k, v = qkv.split(self.output_slices, dim=-1)
@@ -61,9 +62,9 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))  # [T, Hq, D]
             k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
         else:  # q and k side by side in qkv: their heads rotate together, as one [T, Hq + Hkv, D]
-            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *rope)
+            qk = rotate_heads(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = self.attn(q, k, v, meta.attn)  # [T, Hq, D]
         return apply_linear(self.o_proj, out.reshape(num_tokens, self.q_size), meta.lora)
@@ -77,8 +78,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, lora: LoraMeta | None) -> torch.Tensor:
-        gate, up = apply_linear(self.gate_up_proj, x, lora).chunk(2, dim=-1)
-        return apply_linear(self.down_proj, F.silu(gate) * up, lora)
+        gate_up = apply_linear(self.gate_up_proj, x, lora)  # [T, 2I]
+        native = fused_ops(gate_up) if gate_up.stride(-1) == 1 else None
+        if native is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return apply_linear(self.down_proj, F.silu(gate) * up, lora)
+        hidden = torch.empty(gate_up.shape[0], self.intermediate_size, dtype=gate_up.dtype)  # [T, I]
+        native.silu_and_mul_cpu(hidden, gate_up)
+        return apply_linear(self.down_proj, hidden, lora)
 
 
 class DecoderLayer(nn.Module):
