@@ -1,7 +1,8 @@
 // Batched multi-LoRA shrink and expand on CPU: each token multiplies by its own adapter's row of the stacked
 // weights, in one call per op (no gather into adapter order, no padding, no scatter back). Parallel over tokens
-// on torch's own OpenMP team; a rank-R LoRA is R dot products per token (shrink) and R scaled row additions per
-// token (expand), so plain vector loops reach what the matmul libraries would on such thin shapes.
+// on torch's own OpenMP team. Consecutive tokens of one adapter (a prompt's) go up to four at a time, so each
+// weight vector loaded serves all of them; expand sums a chunk of every rank's row in registers and writes each
+// output chunk once (not once per rank).
 //
 //   lora_shrink_cpu(out [T, S*R], x [T, H_in], lora_a [N, S*R, H_in], idx [T])
 //       out[t] = lora_a[idx[t]] @ x[t]                       (rows with idx -1 untouched)
@@ -19,9 +20,9 @@
 
 namespace {
 
-using loraplex::axpy;
-using loraplex::dot;
+using loraplex::Vec;
 constexpr int64_t kTokensPerTask = 4;
+constexpr int kMaxRun = 4;  // tokens of one adapter that go together
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && (t.size(1) <= 1 || t.stride(1) == 1), name,
@@ -34,6 +35,54 @@ void check_index(const at::Tensor& idx, int64_t num_tokens, int64_t num_rows) {
   const int64_t* p = idx.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t)
     TORCH_CHECK(p[t] >= -1 && p[t] < num_rows, "token_adapter_idx[", t, "] = ", p[t], " is not a row (or -1)");
+}
+
+// How many tokens from t on (at most kMaxRun, before end) share t's adapter row.
+inline int run_length(const int64_t* rows, int64_t t, int64_t end) {
+  int n = 1;
+  while (n < kMaxRun && t + n < end && rows[t + n] == rows[t]) ++n;
+  return n;
+}
+
+// out_k[c] = a[c] . x_k for N tokens k sharing the weights a [width, h_in].
+template <int N>
+void shrink_run(const float* a, const float* x, int64_t x_stride, float* out, int64_t out_stride, int64_t width,
+                int64_t h_in) {
+  for (int64_t c = 0; c < width; ++c) {
+    const float* ac = a + c * h_in;
+    Vec acc[N];
+    for (int k = 0; k < N; ++k) acc[k] = Vec(0.f);
+    int64_t i = 0;
+    for (; i + Vec::size() <= h_in; i += Vec::size()) {
+      const Vec va = Vec::loadu(ac + i);
+      for (int k = 0; k < N; ++k) acc[k] = at::vec::fmadd(va, Vec::loadu(x + k * x_stride + i), acc[k]);
+    }
+    for (int k = 0; k < N; ++k) {
+      float sum = acc[k].reduce_add();
+      for (int64_t j = i; j < h_in; ++j) sum += ac[j] * x[k * x_stride + j];
+      out[k * out_stride + c] = sum;
+    }
+  }
+}
+
+// y_k[lo:lo+len] += sum_r z_k[r] * bt[r, lo:lo+len] for N tokens k sharing bt [rank, h_out]; each chunk of y_k is
+// read and written once.
+template <int N>
+void expand_run(const float* bt, int64_t h_out, int64_t rank, const float* z, int64_t z_stride, float* y,
+                int64_t y_stride, int64_t lo, int64_t len) {
+  int64_t j = lo;
+  for (; j + Vec::size() <= lo + len; j += Vec::size()) {
+    Vec acc[N];
+    for (int k = 0; k < N; ++k) acc[k] = Vec::loadu(y + k * y_stride + j);
+    for (int64_t r = 0; r < rank; ++r) {
+      const Vec vb = Vec::loadu(bt + r * h_out + j);
+      for (int k = 0; k < N; ++k) acc[k] = at::vec::fmadd(Vec(z[k * z_stride + r]), vb, acc[k]);
+    }
+    for (int k = 0; k < N; ++k) acc[k].store(y + k * y_stride + j);
+  }
+  for (; j < lo + len; ++j)
+    for (int k = 0; k < N; ++k)
+      for (int64_t r = 0; r < rank; ++r) y[k * y_stride + j] += z[k * z_stride + r] * bt[r * h_out + j];
 }
 
 }  // namespace
@@ -52,12 +101,20 @@ void lora_shrink_cpu(at::Tensor out, const at::Tensor& x, const at::Tensor& lora
   float* out_ptr = out.data_ptr<float>();
   const int64_t x_stride = x.stride(0), out_stride = out.stride(0);
   at::parallel_for(0, num_tokens, kTokensPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (rows[t] < 0) continue;
-      const float* a = a_ptr + rows[t] * width * h_in;
-      const float* xt = x_ptr + t * x_stride;
-      float* o = out_ptr + t * out_stride;
-      for (int64_t c = 0; c < width; ++c) o[c] = dot(a + c * h_in, xt, h_in);
+    for (int64_t t = begin; t < end;) {
+      const int n = run_length(rows, t, end);
+      if (rows[t] >= 0) {
+        const float* a = a_ptr + rows[t] * width * h_in;
+        const float* xt = x_ptr + t * x_stride;
+        float* o = out_ptr + t * out_stride;
+        switch (n) {
+          case 4: shrink_run<4>(a, xt, x_stride, o, out_stride, width, h_in); break;
+          case 3: shrink_run<3>(a, xt, x_stride, o, out_stride, width, h_in); break;
+          case 2: shrink_run<2>(a, xt, x_stride, o, out_stride, width, h_in); break;
+          default: shrink_run<1>(a, xt, x_stride, o, out_stride, width, h_in);
+        }
+      }
+      t += n;
     }
   });
 }
@@ -81,15 +138,23 @@ void lora_expand_cpu(at::Tensor y, const at::Tensor& z, const at::Tensor& lora_b
   float* y_ptr = y.data_ptr<float>();
   const int64_t z_stride = z.stride(0), y_stride = y.stride(0);
   at::parallel_for(0, num_tokens, kTokensPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (rows[t] < 0) continue;
-      const float* bt = b_ptr + rows[t] * rank * h_out;
-      const float* zt = z_ptr + t * z_stride;
-      float* yt = y_ptr + t * y_stride;
-      for (int64_t s = 0; s < num_slices; ++s) {
-        const int64_t lo = bounds[s], len = bounds[s + 1] - bounds[s];
-        for (int64_t r = 0; r < rank; ++r) axpy(zt[s * rank + r], bt + r * h_out + lo, yt + lo, len);
+    for (int64_t t = begin; t < end;) {
+      const int n = run_length(rows, t, end);
+      if (rows[t] >= 0) {
+        const float* bt = b_ptr + rows[t] * rank * h_out;
+        float* yt = y_ptr + t * y_stride;
+        for (int64_t s = 0; s < num_slices; ++s) {
+          const float* zs = z_ptr + t * z_stride + s * rank;
+          const int64_t lo = bounds[s], len = bounds[s + 1] - bounds[s];
+          switch (n) {
+            case 4: expand_run<4>(bt, h_out, rank, zs, z_stride, yt, y_stride, lo, len); break;
+            case 3: expand_run<3>(bt, h_out, rank, zs, z_stride, yt, y_stride, lo, len); break;
+            case 2: expand_run<2>(bt, h_out, rank, zs, z_stride, yt, y_stride, lo, len); break;
+            default: expand_run<1>(bt, h_out, rank, zs, z_stride, yt, y_stride, lo, len);
+          }
+        }
       }
+      t += n;
     }
   });
 }
