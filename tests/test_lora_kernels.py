@@ -154,7 +154,15 @@ def test_cpu_ops_refuse_a_row_past_the_stack(require_cpu_kernel):
     bad = case.meta.token_adapter_idx.clone()
     bad[0] = 3
     with pytest.raises(RuntimeError, match="is not a row"):
-        require_cpu_kernel.lora_shrink_cpu(case.out.clone(), case.x, case.lora_a, bad)
+        require_cpu_kernel.lora_shrink_cpu(case.out.clone(), case.x, case.lora_a, bad, case.meta.sorted_token_idx)
+
+
+def test_cpu_ops_refuse_an_order_naming_a_token_without_adapter(require_cpu_kernel):
+    case = make_case(7, 3, 8, "uniform", "dense", with_pads=True)
+    order = case.meta.sorted_token_idx.clone()
+    order[0] = 3  # token 3 has no adapter (every fourth is a pad)
+    with pytest.raises(RuntimeError, match="is not a token with an adapter"):
+        require_cpu_kernel.lora_shrink_cpu(case.out.clone(), case.x, case.lora_a, case.meta.token_adapter_idx, order)
 
 
 def available_layouts(meta: LoraMeta) -> list[str]:

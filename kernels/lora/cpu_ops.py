@@ -1,5 +1,6 @@
 """Batched multi-LoRA on CPU: shrink and expand in C++ (kernels/cpu_native.py), one call per op whatever the mix of
-adapters in the batch, for float32; anything else (or no compiler) runs torch_ops.
+adapters in the batch, for float32, walking the tokens in the meta's adapter order; anything else (or no compiler)
+runs torch_ops.
 
 Expand reads lora_b transposed, [N, R, H_out], so that each token adds R contiguous scaled rows: the transpose is
 made once and kept while the stacked weights are unchanged (their version counter: activating an adapter writes
@@ -35,7 +36,7 @@ def lora_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta) -> None:
     if native is None:
         return torch_ops.lora_shrink(out, x, lora_a, meta)
     check_shrink(out, x, lora_a, meta)
-    native.lora_shrink_cpu(out, x, lora_a, meta.token_adapter_idx)
+    native.lora_shrink_cpu(out, x, lora_a, meta.token_adapter_idx, meta.sorted_token_idx)
 
 
 def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_slices: tuple[int, ...]) -> None:
@@ -49,7 +50,7 @@ def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_sli
     bounds = [0]
     for size in output_slices:
         bounds.append(bounds[-1] + size)
-    native.lora_expand_cpu(y, z, transposed(lora_b), meta.token_adapter_idx, bounds)
+    native.lora_expand_cpu(y, z, transposed(lora_b), meta.token_adapter_idx, meta.sorted_token_idx, bounds)
 
 
 def transposed(lora_b: Tensor) -> Tensor:

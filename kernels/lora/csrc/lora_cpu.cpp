@@ -1,14 +1,16 @@
 // Batched multi-LoRA shrink and expand on CPU: each token multiplies by its own adapter's row of the stacked
-// weights, in one call per op (no gather into adapter order, no padding, no scatter back). Parallel over tokens
-// on torch's own OpenMP team. Consecutive tokens of one adapter (a prompt's) go up to four at a time, so each
-// weight vector loaded serves all of them; expand sums a chunk of every rank's row in registers and writes each
-// output chunk once (not once per rank).
+// weights, in one call per op (no gather into adapter order, no padding, no scatter back). The tokens are walked in
+// adapter order (`order`, the LoraMeta's sorted_token_idx) and taken up to four of one adapter at a time, so each
+// weight vector loaded serves all of them: a decode batch's tokens of one adapter are scattered through the batch.
+// Expand sums every rank's chunk in registers and writes each output chunk once (not once per rank). Parallel over
+// the ordered tokens on torch's own OpenMP team.
 //
-//   lora_shrink_cpu(out [T, S*R], x [T, H_in], lora_a [N, S*R, H_in], idx [T])
-//       out[t] = lora_a[idx[t]] @ x[t]                       (rows with idx -1 untouched)
-//   lora_expand_cpu(y [T, H_out], z [T, S*R], lora_bt [N, R, H_out], idx [T], slice_bounds [S+1])
-//       y[t, b_s:b_s+1] += z[t, s*R:(s+1)*R] @ lora_bt[idx[t], :, b_s:b_s+1]  for each slice s
-//   float32; rows may be strided (unit stride inside a row); lora_a / lora_bt contiguous; idx int64.
+//   lora_shrink_cpu(out [T, S*R], x [T, H_in], lora_a [N, S*R, H_in], idx [T], order [L])
+//       out[t] = lora_a[idx[t]] @ x[t]                       for t in order (other rows untouched)
+//   lora_expand_cpu(y [T, H_out], z [T, S*R], lora_bt [N, R, H_out], idx [T], order [L], slice_bounds [S+1])
+//       y[t, b_s:b_s+1] += z[t, s*R:(s+1)*R] @ lora_bt[idx[t], :, b_s:b_s+1]  for each slice s, t in order
+//   float32; rows may be strided (unit stride inside a row); lora_a / lora_bt contiguous; idx, order int64;
+//   order: distinct tokens with idx >= 0, grouped by idx (any order is correct; grouped is fast).
 
 #include "cpu_vec.h"
 
@@ -29,25 +31,35 @@ void check_rows(const at::Tensor& t, const char* name) {
               ": [T, H] float32 with contiguous rows");
 }
 
-void check_index(const at::Tensor& idx, int64_t num_tokens, int64_t num_rows) {
+// Checks idx [T] and order [L]; returns their data.
+std::pair<const int64_t*, const int64_t*> check_index(const at::Tensor& idx, const at::Tensor& order,
+                                                      int64_t num_tokens, int64_t num_rows) {
   TORCH_CHECK(idx.dim() == 1 && idx.scalar_type() == at::kLong && idx.is_contiguous() && idx.size(0) == num_tokens,
               "token_adapter_idx: [T] int64");
-  const int64_t* p = idx.data_ptr<int64_t>();
+  TORCH_CHECK(order.dim() == 1 && order.scalar_type() == at::kLong && order.is_contiguous() &&
+                  order.size(0) <= num_tokens,
+              "order: [L <= T] int64");
+  const int64_t* rows = idx.data_ptr<int64_t>();
+  const int64_t* tokens = order.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t)
-    TORCH_CHECK(p[t] >= -1 && p[t] < num_rows, "token_adapter_idx[", t, "] = ", p[t], " is not a row (or -1)");
+    TORCH_CHECK(rows[t] >= -1 && rows[t] < num_rows, "token_adapter_idx[", t, "] = ", rows[t],
+                " is not a row (or -1)");
+  for (int64_t p = 0; p < order.size(0); ++p)
+    TORCH_CHECK(tokens[p] >= 0 && tokens[p] < num_tokens && rows[tokens[p]] >= 0, "order[", p, "] = ", tokens[p],
+                " is not a token with an adapter");
+  return {rows, tokens};
 }
 
-// How many tokens from t on (at most kMaxRun, before end) share t's adapter row.
-inline int run_length(const int64_t* rows, int64_t t, int64_t end) {
+// How many of the ordered tokens from p on (at most kMaxRun, before end) share the adapter row of order[p].
+inline int run_length(const int64_t* rows, const int64_t* order, int64_t p, int64_t end) {
   int n = 1;
-  while (n < kMaxRun && t + n < end && rows[t + n] == rows[t]) ++n;
+  while (n < kMaxRun && p + n < end && rows[order[p + n]] == rows[order[p]]) ++n;
   return n;
 }
 
-// out_k[c] = a[c] . x_k for N tokens k sharing the weights a [width, h_in].
+// out_k[c] = a[c] . x_k for the N tokens k sharing the weights a [width, h_in].
 template <int N>
-void shrink_run(const float* a, const float* x, int64_t x_stride, float* out, int64_t out_stride, int64_t width,
-                int64_t h_in) {
+void shrink_run(const float* a, const float* const* x, float* const* out, int64_t width, int64_t h_in) {
   for (int64_t c = 0; c < width; ++c) {
     const float* ac = a + c * h_in;
     Vec acc[N];
@@ -55,72 +67,74 @@ void shrink_run(const float* a, const float* x, int64_t x_stride, float* out, in
     int64_t i = 0;
     for (; i + Vec::size() <= h_in; i += Vec::size()) {
       const Vec va = Vec::loadu(ac + i);
-      for (int k = 0; k < N; ++k) acc[k] = at::vec::fmadd(va, Vec::loadu(x + k * x_stride + i), acc[k]);
+      for (int k = 0; k < N; ++k) acc[k] = at::vec::fmadd(va, Vec::loadu(x[k] + i), acc[k]);
     }
     for (int k = 0; k < N; ++k) {
       float sum = acc[k].reduce_add();
-      for (int64_t j = i; j < h_in; ++j) sum += ac[j] * x[k * x_stride + j];
-      out[k * out_stride + c] = sum;
+      for (int64_t j = i; j < h_in; ++j) sum += ac[j] * x[k][j];
+      out[k][c] = sum;
     }
   }
 }
 
-// y_k[lo:lo+len] += sum_r z_k[r] * bt[r, lo:lo+len] for N tokens k sharing bt [rank, h_out]; each chunk of y_k is
-// read and written once.
+// y_k[lo:lo+len] += sum_r z_k[r] * bt[r, lo:lo+len] for the N tokens k sharing bt [rank, h_out]; each chunk of
+// y_k is read and written once.
 template <int N>
-void expand_run(const float* bt, int64_t h_out, int64_t rank, const float* z, int64_t z_stride, float* y,
-                int64_t y_stride, int64_t lo, int64_t len) {
+void expand_run(const float* bt, int64_t h_out, int64_t rank, const float* const* z, float* const* y, int64_t lo,
+                int64_t len) {
   int64_t j = lo;
   for (; j + Vec::size() <= lo + len; j += Vec::size()) {
     Vec acc[N];
-    for (int k = 0; k < N; ++k) acc[k] = Vec::loadu(y + k * y_stride + j);
+    for (int k = 0; k < N; ++k) acc[k] = Vec::loadu(y[k] + j);
     for (int64_t r = 0; r < rank; ++r) {
       const Vec vb = Vec::loadu(bt + r * h_out + j);
-      for (int k = 0; k < N; ++k) acc[k] = at::vec::fmadd(Vec(z[k * z_stride + r]), vb, acc[k]);
+      for (int k = 0; k < N; ++k) acc[k] = at::vec::fmadd(Vec(z[k][r]), vb, acc[k]);
     }
-    for (int k = 0; k < N; ++k) acc[k].store(y + k * y_stride + j);
+    for (int k = 0; k < N; ++k) acc[k].store(y[k] + j);
   }
   for (; j < lo + len; ++j)
     for (int k = 0; k < N; ++k)
-      for (int64_t r = 0; r < rank; ++r) y[k * y_stride + j] += z[k * z_stride + r] * bt[r * h_out + j];
+      for (int64_t r = 0; r < rank; ++r) y[k][j] += z[k][r] * bt[r * h_out + j];
 }
 
 }  // namespace
 
-void lora_shrink_cpu(at::Tensor out, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& idx) {
+void lora_shrink_cpu(at::Tensor out, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& idx,
+                     const at::Tensor& order) {
   check_rows(out, "out");
   check_rows(x, "x");
   TORCH_CHECK(lora_a.dim() == 3 && lora_a.is_contiguous() && lora_a.scalar_type() == at::kFloat,
               "lora_a: contiguous [N, S*R, H_in] float32");
   const int64_t num_tokens = x.size(0), h_in = x.size(1), width = lora_a.size(1);
   TORCH_CHECK(lora_a.size(2) == h_in && out.size(0) == num_tokens && out.size(1) == width, "shape mismatch");
-  check_index(idx, num_tokens, lora_a.size(0));
+  const auto [rows, tokens] = check_index(idx, order, num_tokens, lora_a.size(0));
   const float* x_ptr = x.data_ptr<float>();
   const float* a_ptr = lora_a.data_ptr<float>();
-  const int64_t* rows = idx.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
   const int64_t x_stride = x.stride(0), out_stride = out.stride(0);
-  at::parallel_for(0, num_tokens, kTokensPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end;) {
-      const int n = run_length(rows, t, end);
-      if (rows[t] >= 0) {
-        const float* a = a_ptr + rows[t] * width * h_in;
-        const float* xt = x_ptr + t * x_stride;
-        float* o = out_ptr + t * out_stride;
-        switch (n) {
-          case 4: shrink_run<4>(a, xt, x_stride, o, out_stride, width, h_in); break;
-          case 3: shrink_run<3>(a, xt, x_stride, o, out_stride, width, h_in); break;
-          case 2: shrink_run<2>(a, xt, x_stride, o, out_stride, width, h_in); break;
-          default: shrink_run<1>(a, xt, x_stride, o, out_stride, width, h_in);
-        }
+  at::parallel_for(0, order.size(0), kTokensPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end;) {
+      const int n = run_length(rows, tokens, p, end);
+      const float* xs[kMaxRun];
+      float* outs[kMaxRun];
+      for (int k = 0; k < n; ++k) {
+        xs[k] = x_ptr + tokens[p + k] * x_stride;
+        outs[k] = out_ptr + tokens[p + k] * out_stride;
       }
-      t += n;
+      const float* a = a_ptr + rows[tokens[p]] * width * h_in;
+      switch (n) {
+        case 4: shrink_run<4>(a, xs, outs, width, h_in); break;
+        case 3: shrink_run<3>(a, xs, outs, width, h_in); break;
+        case 2: shrink_run<2>(a, xs, outs, width, h_in); break;
+        default: shrink_run<1>(a, xs, outs, width, h_in);
+      }
+      p += n;
     }
   });
 }
 
 void lora_expand_cpu(at::Tensor y, const at::Tensor& z, const at::Tensor& lora_bt, const at::Tensor& idx,
-                     at::IntArrayRef slice_bounds) {
+                     const at::Tensor& order, at::IntArrayRef slice_bounds) {
   check_rows(y, "y");
   check_rows(z, "z");
   TORCH_CHECK(lora_bt.dim() == 3 && lora_bt.is_contiguous() && lora_bt.scalar_type() == at::kFloat,
@@ -130,38 +144,41 @@ void lora_expand_cpu(at::Tensor y, const at::Tensor& z, const at::Tensor& lora_b
   TORCH_CHECK(num_slices >= 1 && slice_bounds[0] == 0 && slice_bounds[num_slices] == h_out, "slice bounds");
   TORCH_CHECK(lora_bt.size(2) == h_out && z.size(0) == num_tokens && z.size(1) == num_slices * rank,
               "shape mismatch");
-  check_index(idx, num_tokens, lora_bt.size(0));
+  const auto [rows, tokens] = check_index(idx, order, num_tokens, lora_bt.size(0));
   const std::vector<int64_t> bounds(slice_bounds.begin(), slice_bounds.end());
   const float* z_ptr = z.data_ptr<float>();
   const float* b_ptr = lora_bt.data_ptr<float>();
-  const int64_t* rows = idx.data_ptr<int64_t>();
   float* y_ptr = y.data_ptr<float>();
   const int64_t z_stride = z.stride(0), y_stride = y.stride(0);
-  at::parallel_for(0, num_tokens, kTokensPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end;) {
-      const int n = run_length(rows, t, end);
-      if (rows[t] >= 0) {
-        const float* bt = b_ptr + rows[t] * rank * h_out;
-        float* yt = y_ptr + t * y_stride;
-        for (int64_t s = 0; s < num_slices; ++s) {
-          const float* zs = z_ptr + t * z_stride + s * rank;
-          const int64_t lo = bounds[s], len = bounds[s + 1] - bounds[s];
-          switch (n) {
-            case 4: expand_run<4>(bt, h_out, rank, zs, z_stride, yt, y_stride, lo, len); break;
-            case 3: expand_run<3>(bt, h_out, rank, zs, z_stride, yt, y_stride, lo, len); break;
-            case 2: expand_run<2>(bt, h_out, rank, zs, z_stride, yt, y_stride, lo, len); break;
-            default: expand_run<1>(bt, h_out, rank, zs, z_stride, yt, y_stride, lo, len);
-          }
+  at::parallel_for(0, order.size(0), kTokensPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end;) {
+      const int n = run_length(rows, tokens, p, end);
+      const float* bt = b_ptr + rows[tokens[p]] * rank * h_out;
+      for (int64_t s = 0; s < num_slices; ++s) {
+        const float* zs[kMaxRun];
+        float* ys[kMaxRun];
+        for (int k = 0; k < n; ++k) {
+          zs[k] = z_ptr + tokens[p + k] * z_stride + s * rank;
+          ys[k] = y_ptr + tokens[p + k] * y_stride;
+        }
+        const int64_t lo = bounds[s], len = bounds[s + 1] - bounds[s];
+        switch (n) {
+          case 4: expand_run<4>(bt, h_out, rank, zs, ys, lo, len); break;
+          case 3: expand_run<3>(bt, h_out, rank, zs, ys, lo, len); break;
+          case 2: expand_run<2>(bt, h_out, rank, zs, ys, lo, len); break;
+          default: expand_run<1>(bt, h_out, rank, zs, ys, lo, len);
         }
       }
-      t += n;
+      p += n;
     }
   });
 }
 
 TORCH_LIBRARY_FRAGMENT(loraplex, m) {
-  m.def("lora_shrink_cpu(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor token_adapter_idx) -> ()");
-  m.def("lora_expand_cpu(Tensor(a!) y, Tensor z, Tensor lora_bt, Tensor token_adapter_idx, int[] slice_bounds) -> ()");
+  m.def("lora_shrink_cpu(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor token_adapter_idx, Tensor order) -> ()");
+  m.def(
+      "lora_expand_cpu(Tensor(a!) y, Tensor z, Tensor lora_bt, Tensor token_adapter_idx, Tensor order, "
+      "int[] slice_bounds) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(loraplex, CPU, m) {
