@@ -41,6 +41,15 @@ inline float softmax_numerators(float* row, int64_t n) {
   return sum;
 }
 
+// How many tokens ahead the K/V loops ask for rows: the blocks lie anywhere in the pool, so the hardware
+// prefetcher, which follows strides, loses the thread at each block's end.
+constexpr int64_t kAhead = 8;
+
+template <int64_t kDim>
+inline void prefetch_row(const float* row) {
+  for (int64_t i = 0; i < kDim; i += 64 / static_cast<int64_t>(sizeof(float))) __builtin_prefetch(row + i, 0, 1);
+}
+
 // One (sequence, kv head): its `group` q heads against its keys, K/V rows read in place through its block table,
 // each row once for all the heads sharing it (GQA). kChunks = head_dim / Vec::size(), kGroup = q heads per kv head.
 template <int64_t kChunks, int64_t kGroup>
@@ -53,6 +62,9 @@ void attend(const float* q_rows, int64_t q_head_stride, const float* k_base, con
     for (int64_t c = 0; c < kChunks; ++c) q[g][c] = Vec::loadu(q_rows + g * q_head_stride + c * Vec::size());
   for (int64_t t = 0; t < context_len; ++t) {  // scores[g, t] = scale * q_g . k_t
     const float* k = k_base + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+    if (t + kAhead < context_len)
+      prefetch_row<kDim>(k_base + table[(t + kAhead) / block_size] * block_stride +
+                         ((t + kAhead) % block_size) * token_stride);
     Vec krow[kChunks];
     for (int64_t c = 0; c < kChunks; ++c) krow[c] = Vec::loadu(k + c * Vec::size());
     for (int64_t g = 0; g < kGroup; ++g) {
@@ -68,6 +80,9 @@ void attend(const float* q_rows, int64_t q_head_stride, const float* k_base, con
     for (int64_t c = 0; c < kChunks; ++c) out[g][c] = Vec(0.f);
   for (int64_t t = 0; t < context_len; ++t) {  // out_g += p[g, t] v_t
     const float* v = v_base + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+    if (t + kAhead < context_len)
+      prefetch_row<kDim>(v_base + table[(t + kAhead) / block_size] * block_stride +
+                         ((t + kAhead) % block_size) * token_stride);
     Vec vrow[kChunks];
     for (int64_t c = 0; c < kChunks; ++c) vrow[c] = Vec::loadu(v + c * Vec::size());
     for (int64_t g = 0; g < kGroup; ++g) {
