@@ -84,6 +84,9 @@ class AdapterCache:
                 b[name] = torch.zeros(max_loras, h_out, rank, dtype=dtype, device=device)
             self.lora_a.append(a)
             self.lora_b.append(b)
+        # [N] int64, host: the rank of the adapter in each row (its largest over modules): columns of A and B past
+        # it are zero, and the CPU kernels skip them (a rank-8 adapter under max_lora_rank 64 costs rank 8)
+        self.row_ranks = torch.full((max_loras,), rank, dtype=torch.int64)
         self._rows = _Rows(pins=[0] * max_loras, free=list(range(max_loras)))
         self._doomed: set[Key] = set()  # evicted while pinned: the row is freed at its last release
         self._host: OrderedDict[Key, HostAdapter] = OrderedDict()  # least recently used first
@@ -243,6 +246,7 @@ class AdapterCache:
         for (layer, name), (a, b) in host.rows.items():
             self.lora_a[layer][name][row].copy_(a)  # synchronous: the host tier may drop `a` right after
             self.lora_b[layer][name][row].copy_(b)
+        self.row_ranks[row] = host.weights.rank
         self.stats.activations += 1
 
     def release(self, adapter_idx: int) -> None:

@@ -162,7 +162,8 @@ class ModelRunner:
             sample_rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self.device)  # [S]
         lora = None
         if self.adapter_cache is not None and max(token_adapter_idx) != NO_ADAPTER:
-            lora = LoraMeta.build(token_adapter_idx, self.device)
+            cache = self.adapter_cache
+            lora = LoraMeta.build(token_adapter_idx, self.device, cache.row_ranks, cache.max_lora_rank)
         return input_ids_t, positions_t, StepMeta(attn, lora), last_rows_t, sample_rows_t
 
     @torch.inference_mode()

@@ -127,3 +127,12 @@ def test_the_host_tier_keeps_the_max_cpu_loras_most_recently_used(tiny_adapters)
         assert cache.digest(b) is not None  # its identity outlives the host copy
     finally:
         cache.shutdown()
+
+
+def test_a_row_records_the_rank_of_the_adapter_it_holds(loaded):
+    """Rank-4 adapters in a stack of R = 8: the CPU kernels read each row's rank to skip its zero columns."""
+    cache, (a, *_) = loaded
+    assert cache.row_ranks.tolist() == [8, 8]  # rows never written: every column counts
+    row = cache.acquire(a)
+    assert cache.row_ranks[row] == 4
+    cache.release(row)

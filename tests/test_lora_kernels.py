@@ -154,7 +154,8 @@ def test_cpu_ops_refuse_a_row_past_the_stack(require_cpu_kernel):
     bad = case.meta.token_adapter_idx.clone()
     bad[0] = 3
     with pytest.raises(RuntimeError, match="is not a row"):
-        require_cpu_kernel.lora_shrink_cpu(case.out.clone(), case.x, case.lora_a, bad, case.meta.sorted_token_idx)
+        order = case.meta.sorted_token_idx
+        require_cpu_kernel.lora_shrink_cpu(case.out.clone(), case.x, case.lora_a, bad, order, None, 0)
 
 
 def test_cpu_ops_refuse_an_order_naming_a_token_without_adapter(require_cpu_kernel):
@@ -162,7 +163,38 @@ def test_cpu_ops_refuse_an_order_naming_a_token_without_adapter(require_cpu_kern
     order = case.meta.sorted_token_idx.clone()
     order[0] = 3  # token 3 has no adapter (every fourth is a pad)
     with pytest.raises(RuntimeError, match="is not a token with an adapter"):
-        require_cpu_kernel.lora_shrink_cpu(case.out.clone(), case.x, case.lora_a, case.meta.token_adapter_idx, order)
+        require_cpu_kernel.lora_shrink_cpu(
+            case.out.clone(), case.x, case.lora_a, case.meta.token_adapter_idx, order, None, 0
+        )
+
+
+@pytest.mark.parametrize("layer", ["dense", "qkv"])
+def test_cpu_ops_skip_what_lies_past_each_rows_rank(layer, require_cpu_kernel):
+    """Rows of rank 3, 8 and 1 in a stack of R = 8 (their A rows and B columns past the rank zero, as the adapter
+    cache writes them): the same result as the full-rank reference, and shrink writes 0 past each rank."""
+    case = make_case(64, 3, 8, "uniform", layer)
+    ranks = torch.tensor([3, 8, 1])
+    num_slices = len(case.output_slices)
+    for row, r in enumerate(ranks.tolist()):
+        for s in range(num_slices):
+            case.lora_a[row, s * 8 + r : (s + 1) * 8] = 0
+        case.lora_b[row, :, r:] = 0
+    z, delta = naive_lora(case.x, case.lora_a, case.lora_b, case.token_adapter_idx, case.output_slices)
+    meta = LoraMeta.build(case.token_adapter_idx, "cpu", row_ranks=ranks, max_rank=8)
+    ops = get_lora_ops("cpu")
+    out = torch.full_like(case.out, float("nan"))  # shrink must write every column of a token with an adapter
+    ops.lora_shrink(out, case.x, case.lora_a, meta)
+    torch.testing.assert_close(out[case.has_adapter], z[case.has_adapter], rtol=1e-5, atol=1e-5)
+    z_holes = out.clone()
+    for row, r in enumerate(ranks.tolist()):  # expand must not read past a row's rank
+        for s in range(num_slices):
+            z_holes[torch.tensor(case.token_adapter_idx) == row, s * 8 + r : (s + 1) * 8] = float("nan")
+    y = case.y.clone()
+    ops.lora_expand(y, z_holes, case.lora_b, meta, case.output_slices)
+    assert_rows(y, case.y + delta, case.has_adapter, 1e-5)
+    with pytest.raises(RuntimeError, match="is not a rank"):
+        bad = LoraMeta.build(case.token_adapter_idx, "cpu", row_ranks=torch.tensor([3, 9, 1]), max_rank=8)
+        ops.lora_shrink(out, case.x, case.lora_a, bad)
 
 
 def available_layouts(meta: LoraMeta) -> list[str]:

@@ -36,7 +36,7 @@ def lora_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta) -> None:
     if native is None:
         return torch_ops.lora_shrink(out, x, lora_a, meta)
     check_shrink(out, x, lora_a, meta)
-    native.lora_shrink_cpu(out, x, lora_a, meta.token_adapter_idx, meta.sorted_token_idx)
+    native.lora_shrink_cpu(out, x, lora_a, meta.token_adapter_idx, meta.sorted_token_idx, meta.row_ranks, meta.max_rank)
 
 
 def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_slices: tuple[int, ...]) -> None:
@@ -50,7 +50,9 @@ def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_sli
     bounds = [0]
     for size in output_slices:
         bounds.append(bounds[-1] + size)
-    native.lora_expand_cpu(y, z, transposed(lora_b), meta.token_adapter_idx, meta.sorted_token_idx, bounds)
+    native.lora_expand_cpu(
+        y, z, transposed(lora_b), meta.token_adapter_idx, meta.sorted_token_idx, meta.row_ranks, bounds
+    )
 
 
 def transposed(lora_b: Tensor) -> Tensor:

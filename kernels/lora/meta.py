@@ -37,13 +37,23 @@ class LoraMeta:
     # token of theirs; None: padding would more than double the rows, or one segment
     padded_rows: Tensor | None  # [L] int64: row of sorted token j in the padded layout
     padded_is_pad: Tensor | None  # [A * max_seg_len, 1] bool: True on the padding rows
+    # CPU kernels: [N] int64 host, each row's rank (its A / B columns past it are zero and skipped), of the R =
+    # max_rank of the stacked weights; None: every row uses all R
+    row_ranks: Tensor | None = None
+    max_rank: int = 0
 
     @property
     def num_active(self) -> int:
         return len(self.active_adapters)
 
     @classmethod
-    def build(cls, token_adapter_idx: list[int] | Tensor, device: torch.device | str) -> "LoraMeta":
+    def build(
+        cls,
+        token_adapter_idx: list[int] | Tensor,
+        device: torch.device | str,
+        row_ranks: Tensor | None = None,
+        max_rank: int = 0,
+    ) -> "LoraMeta":
         idx = torch.as_tensor(token_adapter_idx, dtype=torch.int64).cpu().view(-1)  # [T]
         if idx.numel() and int(idx.min()) < NO_ADAPTER:
             raise ValueError(f"token_adapter_idx holds {int(idx.min())}; rows are >= 0, or -1 for no adapter")
@@ -77,6 +87,8 @@ class LoraMeta:
             padded_token_idx=padded_token_idx,
             padded_rows=padded_rows,
             padded_is_pad=padded_is_pad,
+            row_ranks=row_ranks,
+            max_rank=max_rank,
         )
 
 

@@ -5,12 +5,16 @@
 // Expand sums every rank's chunk in registers and writes each output chunk once (not once per rank). Parallel over
 // the ordered tokens on torch's own OpenMP team.
 //
-//   lora_shrink_cpu(out [T, S*R], x [T, H_in], lora_a [N, S*R, H_in], idx [T], order [L])
+//   lora_shrink_cpu(out [T, S*R], x [T, H_in], lora_a [N, S*R, H_in], idx [T], order [L], row_ranks [N]?, R)
 //       out[t] = lora_a[idx[t]] @ x[t]                       for t in order (other rows untouched)
-//   lora_expand_cpu(y [T, H_out], z [T, S*R], lora_bt [N, R, H_out], idx [T], order [L], slice_bounds [S+1])
+//   lora_expand_cpu(y [T, H_out], z [T, S*R], lora_bt [N, R, H_out], idx [T], order [L], row_ranks [N]?,
+//                   slice_bounds [S+1])
 //       y[t, b_s:b_s+1] += z[t, s*R:(s+1)*R] @ lora_bt[idx[t], :, b_s:b_s+1]  for each slice s, t in order
 //   float32; rows may be strided (unit stride inside a row); lora_a / lora_bt contiguous; idx, order int64;
 //   order: distinct tokens with idx >= 0, grouped by idx (any order is correct; grouped is fast).
+//   row_ranks (optional, int64): the rank r <= R of each row, whose A rows and B columns past r in each slice are
+//   zero; shrink writes 0 there without reading A, expand reads only z's first r of each slice. Adapters of rank 8
+//   under a max_lora_rank of 64 cost rank 8.
 
 #include "cpu_vec.h"
 
@@ -18,6 +22,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <vector>
 
 namespace {
@@ -50,6 +55,19 @@ std::pair<const int64_t*, const int64_t*> check_index(const at::Tensor& idx, con
   return {rows, tokens};
 }
 
+// Each row's rank, checked against R (nullptr: every row uses all R).
+const int64_t* check_ranks(const std::optional<at::Tensor>& row_ranks, int64_t num_rows, int64_t rank) {
+  if (!row_ranks.has_value()) return nullptr;
+  const at::Tensor& ranks = *row_ranks;
+  TORCH_CHECK(ranks.dim() == 1 && ranks.scalar_type() == at::kLong && ranks.is_contiguous() &&
+                  ranks.size(0) >= num_rows && ranks.device().is_cpu(),
+              "row_ranks: [N] int64 on the CPU");
+  const int64_t* p = ranks.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_rows; ++i)
+    TORCH_CHECK(p[i] >= 0 && p[i] <= rank, "row_ranks[", i, "] = ", p[i], " is not a rank in 0..", rank);
+  return p;
+}
+
 // How many of the ordered tokens from p on (at most kMaxRun, before end) share the adapter row of order[p].
 inline int run_length(const int64_t* rows, const int64_t* order, int64_t p, int64_t end) {
   int n = 1;
@@ -57,10 +75,16 @@ inline int run_length(const int64_t* rows, const int64_t* order, int64_t p, int6
   return n;
 }
 
-// out_k[c] = a[c] . x_k for the N tokens k sharing the weights a [width, h_in].
+// out_k[c] = a[c] . x_k for the N tokens k sharing the weights a [width, h_in]; columns past `used` of each slice
+// of R are zero rows of a: 0 without reading them.
 template <int N>
-void shrink_run(const float* a, const float* const* x, float* const* out, int64_t width, int64_t h_in) {
+void shrink_run(const float* a, const float* const* x, float* const* out, int64_t width, int64_t h_in, int64_t rank,
+                int64_t used) {
   for (int64_t c = 0; c < width; ++c) {
+    if (c % rank >= used) {
+      for (int k = 0; k < N; ++k) out[k][c] = 0.f;
+      continue;
+    }
     const float* ac = a + c * h_in;
     Vec acc[N];
     for (int k = 0; k < N; ++k) acc[k] = Vec(0.f);
@@ -100,7 +124,7 @@ void expand_run(const float* bt, int64_t h_out, int64_t rank, const float* const
 }  // namespace
 
 void lora_shrink_cpu(at::Tensor out, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& idx,
-                     const at::Tensor& order) {
+                     const at::Tensor& order, const std::optional<at::Tensor>& row_ranks, int64_t rank) {
   check_rows(out, "out");
   check_rows(x, "x");
   TORCH_CHECK(lora_a.dim() == 3 && lora_a.is_contiguous() && lora_a.scalar_type() == at::kFloat,
@@ -108,6 +132,9 @@ void lora_shrink_cpu(at::Tensor out, const at::Tensor& x, const at::Tensor& lora
   const int64_t num_tokens = x.size(0), h_in = x.size(1), width = lora_a.size(1);
   TORCH_CHECK(lora_a.size(2) == h_in && out.size(0) == num_tokens && out.size(1) == width, "shape mismatch");
   const auto [rows, tokens] = check_index(idx, order, num_tokens, lora_a.size(0));
+  if (rank <= 0) rank = width;  // one slice of unknown R: every column is used
+  TORCH_CHECK(width % rank == 0, "lora_a's ", width, " rows are not slices of rank ", rank);
+  const int64_t* ranks = check_ranks(row_ranks, lora_a.size(0), rank);
   const float* x_ptr = x.data_ptr<float>();
   const float* a_ptr = lora_a.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
@@ -121,12 +148,13 @@ void lora_shrink_cpu(at::Tensor out, const at::Tensor& x, const at::Tensor& lora
         xs[k] = x_ptr + tokens[p + k] * x_stride;
         outs[k] = out_ptr + tokens[p + k] * out_stride;
       }
-      const float* a = a_ptr + rows[tokens[p]] * width * h_in;
+      const int64_t row = rows[tokens[p]], used = ranks ? ranks[row] : rank;
+      const float* a = a_ptr + row * width * h_in;
       switch (n) {
-        case 4: shrink_run<4>(a, xs, outs, width, h_in); break;
-        case 3: shrink_run<3>(a, xs, outs, width, h_in); break;
-        case 2: shrink_run<2>(a, xs, outs, width, h_in); break;
-        default: shrink_run<1>(a, xs, outs, width, h_in);
+        case 4: shrink_run<4>(a, xs, outs, width, h_in, rank, used); break;
+        case 3: shrink_run<3>(a, xs, outs, width, h_in, rank, used); break;
+        case 2: shrink_run<2>(a, xs, outs, width, h_in, rank, used); break;
+        default: shrink_run<1>(a, xs, outs, width, h_in, rank, used);
       }
       p += n;
     }
@@ -134,7 +162,8 @@ void lora_shrink_cpu(at::Tensor out, const at::Tensor& x, const at::Tensor& lora
 }
 
 void lora_expand_cpu(at::Tensor y, const at::Tensor& z, const at::Tensor& lora_bt, const at::Tensor& idx,
-                     const at::Tensor& order, at::IntArrayRef slice_bounds) {
+                     const at::Tensor& order, const std::optional<at::Tensor>& row_ranks,
+                     at::IntArrayRef slice_bounds) {
   check_rows(y, "y");
   check_rows(z, "z");
   TORCH_CHECK(lora_bt.dim() == 3 && lora_bt.is_contiguous() && lora_bt.scalar_type() == at::kFloat,
@@ -145,6 +174,7 @@ void lora_expand_cpu(at::Tensor y, const at::Tensor& z, const at::Tensor& lora_b
   TORCH_CHECK(lora_bt.size(2) == h_out && z.size(0) == num_tokens && z.size(1) == num_slices * rank,
               "shape mismatch");
   const auto [rows, tokens] = check_index(idx, order, num_tokens, lora_bt.size(0));
+  const int64_t* ranks = check_ranks(row_ranks, lora_bt.size(0), rank);
   const std::vector<int64_t> bounds(slice_bounds.begin(), slice_bounds.end());
   const float* z_ptr = z.data_ptr<float>();
   const float* b_ptr = lora_bt.data_ptr<float>();
@@ -153,7 +183,8 @@ void lora_expand_cpu(at::Tensor y, const at::Tensor& z, const at::Tensor& lora_b
   at::parallel_for(0, order.size(0), kTokensPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end;) {
       const int n = run_length(rows, tokens, p, end);
-      const float* bt = b_ptr + rows[tokens[p]] * rank * h_out;
+      const int64_t row = rows[tokens[p]], used = ranks ? ranks[row] : rank;
+      const float* bt = b_ptr + row * rank * h_out;
       for (int64_t s = 0; s < num_slices; ++s) {
         const float* zs[kMaxRun];
         float* ys[kMaxRun];
@@ -163,10 +194,10 @@ void lora_expand_cpu(at::Tensor y, const at::Tensor& z, const at::Tensor& lora_b
         }
         const int64_t lo = bounds[s], len = bounds[s + 1] - bounds[s];
         switch (n) {
-          case 4: expand_run<4>(bt, h_out, rank, zs, ys, lo, len); break;
-          case 3: expand_run<3>(bt, h_out, rank, zs, ys, lo, len); break;
-          case 2: expand_run<2>(bt, h_out, rank, zs, ys, lo, len); break;
-          default: expand_run<1>(bt, h_out, rank, zs, ys, lo, len);
+          case 4: expand_run<4>(bt, h_out, used, zs, ys, lo, len); break;
+          case 3: expand_run<3>(bt, h_out, used, zs, ys, lo, len); break;
+          case 2: expand_run<2>(bt, h_out, used, zs, ys, lo, len); break;
+          default: expand_run<1>(bt, h_out, used, zs, ys, lo, len);
         }
       }
       p += n;
@@ -175,10 +206,12 @@ void lora_expand_cpu(at::Tensor y, const at::Tensor& z, const at::Tensor& lora_b
 }
 
 TORCH_LIBRARY_FRAGMENT(loraplex, m) {
-  m.def("lora_shrink_cpu(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor token_adapter_idx, Tensor order) -> ()");
+  m.def(
+      "lora_shrink_cpu(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor token_adapter_idx, Tensor order, "
+      "Tensor? row_ranks, int rank) -> ()");
   m.def(
       "lora_expand_cpu(Tensor(a!) y, Tensor z, Tensor lora_bt, Tensor token_adapter_idx, Tensor order, "
-      "int[] slice_bounds) -> ()");
+      "Tensor? row_ranks, int[] slice_bounds) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(loraplex, CPU, m) {
