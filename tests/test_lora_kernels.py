@@ -192,6 +192,9 @@ def test_cpu_ops_skip_what_lies_past_each_rows_rank(layer, require_cpu_kernel):
     y = case.y.clone()
     ops.lora_expand(y, z_holes, case.lora_b, meta, case.output_slices)
     assert_rows(y, case.y + delta, case.has_adapter, 1e-5)
+    y = case.y.clone()
+    ops.add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.output_slices)  # both in one call
+    assert_rows(y, case.y + delta, case.has_adapter, 1e-5)
     with pytest.raises(RuntimeError, match="is not a rank"):
         bad = LoraMeta.build(case.token_adapter_idx, "cpu", row_ranks=torch.tensor([3, 9, 1]), max_rank=8)
         ops.lora_shrink(out, case.x, case.lora_a, bad)

@@ -1,12 +1,14 @@
 """Batched multi-LoRA on CPU: shrink and expand in C++ (kernels/cpu_native.py), one call per op whatever the mix of
-adapters in the batch, for float32, walking the tokens in the meta's adapter order; anything else (or no compiler)
-runs torch_ops.
+adapters in the batch, for float32, walking the tokens in the meta's adapter order; add_lora runs both in one call
+(what a LoRA layer makes); anything else (or no compiler) runs torch_ops.
 
 Expand reads lora_b transposed, [N, R, H_out], so that each token adds R contiguous scaled rows: the transpose is
 made once and kept while the stacked weights are unchanged (their version counter: activating an adapter writes
 its row in place and bumps it).
 """
 
+import functools
+import itertools
 import weakref
 
 import torch
@@ -47,9 +49,7 @@ def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_sli
     if native is None:
         return torch_ops.lora_expand(y, z, lora_b, meta, output_slices)
     check_expand(y, z, lora_b, meta, output_slices)
-    bounds = [0]
-    for size in output_slices:
-        bounds.append(bounds[-1] + size)
+    bounds = slice_bounds(output_slices)
     native.lora_expand_cpu(
         y, z, transposed(lora_b), meta.token_adapter_idx, meta.sorted_token_idx, meta.row_ranks, bounds
     )
@@ -66,4 +66,38 @@ def transposed(lora_b: Tensor) -> Tensor:
     return cached[2]
 
 
-add_lora = compose_add_lora(lora_shrink, lora_expand)
+_torch_add_lora = compose_add_lora(lora_shrink, lora_expand)
+
+
+def add_lora(
+    y: Tensor,
+    x: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    meta: LoraMeta,
+    output_slices: tuple[int, ...],
+    buffer: Tensor | None = None,
+) -> None:
+    """As compose_add_lora's add_lora, in one C++ call (no z tensor): a LoRA layer's whole cost on CPU.
+    y: [T, H_out] · x: [T, H_in] · lora_a: [N, S * R, H_in] · lora_b: [N, H_out, R]"""
+    if not meta.has_lora:
+        return
+    native = _native(y, x, lora_a, lora_b)
+    if native is None:
+        return _torch_add_lora(y, x, lora_a, lora_b, meta, output_slices, buffer)
+    native.lora_add_cpu(
+        y,
+        x,
+        lora_a,
+        transposed(lora_b),
+        meta.token_adapter_idx,
+        meta.sorted_token_idx,
+        meta.row_ranks,
+        slice_bounds(output_slices),
+    )
+
+
+@functools.cache
+def slice_bounds(output_slices: tuple[int, ...]) -> list[int]:
+    """[0, s0, s0 + s1, ...]: where each slice of the output starts, then the end."""
+    return [0, *itertools.accumulate(output_slices)]

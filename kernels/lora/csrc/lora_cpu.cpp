@@ -5,6 +5,8 @@
 // Expand sums every rank's chunk in registers and writes each output chunk once (not once per rank). Parallel over
 // the ordered tokens on torch's own OpenMP team.
 //
+//   lora_add_cpu(y [T, H_out], x [T, H_in], lora_a, lora_bt, idx, order, row_ranks?, slice_bounds)
+//       both below for each run of tokens, z kept in the thread's buffer (what a LoRA layer calls)
 //   lora_shrink_cpu(out [T, S*R], x [T, H_in], lora_a [N, S*R, H_in], idx [T], order [L], row_ranks [N]?, R)
 //       out[t] = lora_a[idx[t]] @ x[t]                       for t in order (other rows untouched)
 //   lora_expand_cpu(y [T, H_out], z [T, S*R], lora_bt [N, R, H_out], idx [T], order [L], row_ranks [N]?,
@@ -205,6 +207,68 @@ void lora_expand_cpu(at::Tensor y, const at::Tensor& z, const at::Tensor& lora_b
   });
 }
 
+// Both ops in one pass over each run of tokens: its z [n, S*R] stays in a small buffer of the thread's, so a LoRA
+// layer makes one call and allocates no intermediate tensor.
+void lora_add_cpu(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_bt,
+                  const at::Tensor& idx, const at::Tensor& order, const std::optional<at::Tensor>& row_ranks,
+                  at::IntArrayRef slice_bounds) {
+  check_rows(y, "y");
+  check_rows(x, "x");
+  TORCH_CHECK(lora_a.dim() == 3 && lora_a.is_contiguous() && lora_a.scalar_type() == at::kFloat,
+              "lora_a: contiguous [N, S*R, H_in] float32");
+  TORCH_CHECK(lora_bt.dim() == 3 && lora_bt.is_contiguous() && lora_bt.scalar_type() == at::kFloat,
+              "lora_bt: contiguous [N, R, H_out] float32");
+  const int64_t num_tokens = x.size(0), h_in = x.size(1), h_out = y.size(1), rank = lora_bt.size(1);
+  const int64_t num_slices = static_cast<int64_t>(slice_bounds.size()) - 1, width = num_slices * rank;
+  TORCH_CHECK(num_slices >= 1 && slice_bounds[0] == 0 && slice_bounds[num_slices] == h_out, "slice bounds");
+  TORCH_CHECK(y.size(0) == num_tokens && lora_a.size(0) == lora_bt.size(0) && lora_a.size(1) == width &&
+                  lora_a.size(2) == h_in && lora_bt.size(2) == h_out,
+              "shape mismatch: y [T, H_out], x [T, H_in], lora_a [N, S*R, H_in], lora_bt [N, R, H_out]");
+  const auto [rows, tokens] = check_index(idx, order, num_tokens, lora_a.size(0));
+  const int64_t* ranks = check_ranks(row_ranks, lora_a.size(0), rank);
+  const std::vector<int64_t> bounds(slice_bounds.begin(), slice_bounds.end());
+  const float* x_ptr = x.data_ptr<float>();
+  const float* a_ptr = lora_a.data_ptr<float>();
+  const float* b_ptr = lora_bt.data_ptr<float>();
+  float* y_ptr = y.data_ptr<float>();
+  const int64_t x_stride = x.stride(0), y_stride = y.stride(0);
+  at::parallel_for(0, order.size(0), kTokensPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<float> z(kMaxRun * width);  // [n, S*R] of the run in hand
+    for (int64_t p = begin; p < end;) {
+      const int n = run_length(rows, tokens, p, end);
+      const int64_t row = rows[tokens[p]], used = ranks ? ranks[row] : rank;
+      const float* a = a_ptr + row * width * h_in;
+      const float* bt = b_ptr + row * rank * h_out;
+      const float* xs[kMaxRun];
+      float* zs[kMaxRun];
+      float* ys[kMaxRun];
+      for (int k = 0; k < n; ++k) {
+        xs[k] = x_ptr + tokens[p + k] * x_stride;
+        zs[k] = z.data() + k * width;
+        ys[k] = y_ptr + tokens[p + k] * y_stride;
+      }
+      switch (n) {
+        case 4: shrink_run<4>(a, xs, zs, width, h_in, rank, used); break;
+        case 3: shrink_run<3>(a, xs, zs, width, h_in, rank, used); break;
+        case 2: shrink_run<2>(a, xs, zs, width, h_in, rank, used); break;
+        default: shrink_run<1>(a, xs, zs, width, h_in, rank, used);
+      }
+      for (int64_t s = 0; s < num_slices; ++s) {
+        const float* zslice[kMaxRun];
+        for (int k = 0; k < n; ++k) zslice[k] = zs[k] + s * rank;
+        const int64_t lo = bounds[s], len = bounds[s + 1] - bounds[s];
+        switch (n) {
+          case 4: expand_run<4>(bt, h_out, used, zslice, ys, lo, len); break;
+          case 3: expand_run<3>(bt, h_out, used, zslice, ys, lo, len); break;
+          case 2: expand_run<2>(bt, h_out, used, zslice, ys, lo, len); break;
+          default: expand_run<1>(bt, h_out, used, zslice, ys, lo, len);
+        }
+      }
+      p += n;
+    }
+  });
+}
+
 TORCH_LIBRARY_FRAGMENT(loraplex, m) {
   m.def(
       "lora_shrink_cpu(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor token_adapter_idx, Tensor order, "
@@ -212,9 +276,13 @@ TORCH_LIBRARY_FRAGMENT(loraplex, m) {
   m.def(
       "lora_expand_cpu(Tensor(a!) y, Tensor z, Tensor lora_bt, Tensor token_adapter_idx, Tensor order, "
       "Tensor? row_ranks, int[] slice_bounds) -> ()");
+  m.def(
+      "lora_add_cpu(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_bt, Tensor token_adapter_idx, Tensor order, "
+      "Tensor? row_ranks, int[] slice_bounds) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(loraplex, CPU, m) {
   m.impl("lora_shrink_cpu", &lora_shrink_cpu);
   m.impl("lora_expand_cpu", &lora_expand_cpu);
+  m.impl("lora_add_cpu", &lora_add_cpu);
 }
