@@ -123,14 +123,51 @@ void expand_run(const float* bt, int64_t h_out, int64_t rank, const float* const
       for (int64_t r = 0; r < rank; ++r) y[k][j] += z[k][r] * bt[r * h_out + j];
 }
 
+// shrink_run<n>: the run's length as a template argument.
+void shrink_tokens(int n, const float* a, const float* const* x, float* const* out, int64_t width, int64_t h_in,
+                   int64_t rank, int64_t used) {
+  switch (n) {
+    case 4: shrink_run<4>(a, x, out, width, h_in, rank, used); break;
+    case 3: shrink_run<3>(a, x, out, width, h_in, rank, used); break;
+    case 2: shrink_run<2>(a, x, out, width, h_in, rank, used); break;
+    default: shrink_run<1>(a, x, out, width, h_in, rank, used);
+  }
+}
+
+// expand_run<n> over every slice: z[k] is token k's whole z row [S*R], bounds the slices' [S+1] column bounds.
+void expand_tokens(int n, const float* bt, int64_t h_out, int64_t rank, int64_t used, const float* const* z,
+                   float* const* y, const std::vector<int64_t>& bounds) {
+  for (size_t s = 0; s + 1 < bounds.size(); ++s) {
+    const float* zs[kMaxRun];
+    for (int k = 0; k < n; ++k) zs[k] = z[k] + s * rank;
+    const int64_t lo = bounds[s], len = bounds[s + 1] - bounds[s];
+    switch (n) {
+      case 4: expand_run<4>(bt, h_out, used, zs, y, lo, len); break;
+      case 3: expand_run<3>(bt, h_out, used, zs, y, lo, len); break;
+      case 2: expand_run<2>(bt, h_out, used, zs, y, lo, len); break;
+      default: expand_run<1>(bt, h_out, used, zs, y, lo, len);
+    }
+  }
+}
+
+void check_stack(const at::Tensor& w, const char* what) {
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kFloat, what, " float32");
+}
+
+// The slices' column bounds [S+1] over h_out columns.
+std::vector<int64_t> check_bounds(at::IntArrayRef slice_bounds, int64_t h_out) {
+  const int64_t num_slices = static_cast<int64_t>(slice_bounds.size()) - 1;
+  TORCH_CHECK(num_slices >= 1 && slice_bounds[0] == 0 && slice_bounds[num_slices] == h_out, "slice bounds");
+  return {slice_bounds.begin(), slice_bounds.end()};
+}
+
 }  // namespace
 
 void lora_shrink_cpu(at::Tensor out, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& idx,
                      const at::Tensor& order, const std::optional<at::Tensor>& row_ranks, int64_t rank) {
   check_rows(out, "out");
   check_rows(x, "x");
-  TORCH_CHECK(lora_a.dim() == 3 && lora_a.is_contiguous() && lora_a.scalar_type() == at::kFloat,
-              "lora_a: contiguous [N, S*R, H_in] float32");
+  check_stack(lora_a, "lora_a: contiguous [N, S*R, H_in]");
   const int64_t num_tokens = x.size(0), h_in = x.size(1), width = lora_a.size(1);
   TORCH_CHECK(lora_a.size(2) == h_in && out.size(0) == num_tokens && out.size(1) == width, "shape mismatch");
   const auto [rows, tokens] = check_index(idx, order, num_tokens, lora_a.size(0));
@@ -150,14 +187,8 @@ void lora_shrink_cpu(at::Tensor out, const at::Tensor& x, const at::Tensor& lora
         xs[k] = x_ptr + tokens[p + k] * x_stride;
         outs[k] = out_ptr + tokens[p + k] * out_stride;
       }
-      const int64_t row = rows[tokens[p]], used = ranks ? ranks[row] : rank;
-      const float* a = a_ptr + row * width * h_in;
-      switch (n) {
-        case 4: shrink_run<4>(a, xs, outs, width, h_in, rank, used); break;
-        case 3: shrink_run<3>(a, xs, outs, width, h_in, rank, used); break;
-        case 2: shrink_run<2>(a, xs, outs, width, h_in, rank, used); break;
-        default: shrink_run<1>(a, xs, outs, width, h_in, rank, used);
-      }
+      const int64_t row = rows[tokens[p]];
+      shrink_tokens(n, a_ptr + row * width * h_in, xs, outs, width, h_in, rank, ranks ? ranks[row] : rank);
       p += n;
     }
   });
@@ -168,16 +199,14 @@ void lora_expand_cpu(at::Tensor y, const at::Tensor& z, const at::Tensor& lora_b
                      at::IntArrayRef slice_bounds) {
   check_rows(y, "y");
   check_rows(z, "z");
-  TORCH_CHECK(lora_bt.dim() == 3 && lora_bt.is_contiguous() && lora_bt.scalar_type() == at::kFloat,
-              "lora_bt: contiguous [N, R, H_out] float32");
+  check_stack(lora_bt, "lora_bt: contiguous [N, R, H_out]");
   const int64_t num_tokens = y.size(0), h_out = y.size(1), rank = lora_bt.size(1);
-  const int64_t num_slices = static_cast<int64_t>(slice_bounds.size()) - 1;
-  TORCH_CHECK(num_slices >= 1 && slice_bounds[0] == 0 && slice_bounds[num_slices] == h_out, "slice bounds");
-  TORCH_CHECK(lora_bt.size(2) == h_out && z.size(0) == num_tokens && z.size(1) == num_slices * rank,
+  const std::vector<int64_t> bounds = check_bounds(slice_bounds, h_out);
+  TORCH_CHECK(lora_bt.size(2) == h_out && z.size(0) == num_tokens &&
+                  z.size(1) == static_cast<int64_t>(bounds.size() - 1) * rank,
               "shape mismatch");
   const auto [rows, tokens] = check_index(idx, order, num_tokens, lora_bt.size(0));
   const int64_t* ranks = check_ranks(row_ranks, lora_bt.size(0), rank);
-  const std::vector<int64_t> bounds(slice_bounds.begin(), slice_bounds.end());
   const float* z_ptr = z.data_ptr<float>();
   const float* b_ptr = lora_bt.data_ptr<float>();
   float* y_ptr = y.data_ptr<float>();
@@ -185,23 +214,14 @@ void lora_expand_cpu(at::Tensor y, const at::Tensor& z, const at::Tensor& lora_b
   at::parallel_for(0, order.size(0), kTokensPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end;) {
       const int n = run_length(rows, tokens, p, end);
-      const int64_t row = rows[tokens[p]], used = ranks ? ranks[row] : rank;
-      const float* bt = b_ptr + row * rank * h_out;
-      for (int64_t s = 0; s < num_slices; ++s) {
-        const float* zs[kMaxRun];
-        float* ys[kMaxRun];
-        for (int k = 0; k < n; ++k) {
-          zs[k] = z_ptr + tokens[p + k] * z_stride + s * rank;
-          ys[k] = y_ptr + tokens[p + k] * y_stride;
-        }
-        const int64_t lo = bounds[s], len = bounds[s + 1] - bounds[s];
-        switch (n) {
-          case 4: expand_run<4>(bt, h_out, used, zs, ys, lo, len); break;
-          case 3: expand_run<3>(bt, h_out, used, zs, ys, lo, len); break;
-          case 2: expand_run<2>(bt, h_out, used, zs, ys, lo, len); break;
-          default: expand_run<1>(bt, h_out, used, zs, ys, lo, len);
-        }
+      const int64_t row = rows[tokens[p]];
+      const float* zs[kMaxRun];
+      float* ys[kMaxRun];
+      for (int k = 0; k < n; ++k) {
+        zs[k] = z_ptr + tokens[p + k] * z_stride;
+        ys[k] = y_ptr + tokens[p + k] * y_stride;
       }
+      expand_tokens(n, b_ptr + row * rank * h_out, h_out, rank, ranks ? ranks[row] : rank, zs, ys, bounds);
       p += n;
     }
   });
@@ -214,19 +234,16 @@ void lora_add_cpu(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, c
                   at::IntArrayRef slice_bounds) {
   check_rows(y, "y");
   check_rows(x, "x");
-  TORCH_CHECK(lora_a.dim() == 3 && lora_a.is_contiguous() && lora_a.scalar_type() == at::kFloat,
-              "lora_a: contiguous [N, S*R, H_in] float32");
-  TORCH_CHECK(lora_bt.dim() == 3 && lora_bt.is_contiguous() && lora_bt.scalar_type() == at::kFloat,
-              "lora_bt: contiguous [N, R, H_out] float32");
+  check_stack(lora_a, "lora_a: contiguous [N, S*R, H_in]");
+  check_stack(lora_bt, "lora_bt: contiguous [N, R, H_out]");
   const int64_t num_tokens = x.size(0), h_in = x.size(1), h_out = y.size(1), rank = lora_bt.size(1);
-  const int64_t num_slices = static_cast<int64_t>(slice_bounds.size()) - 1, width = num_slices * rank;
-  TORCH_CHECK(num_slices >= 1 && slice_bounds[0] == 0 && slice_bounds[num_slices] == h_out, "slice bounds");
+  const std::vector<int64_t> bounds = check_bounds(slice_bounds, h_out);
+  const int64_t width = static_cast<int64_t>(bounds.size() - 1) * rank;
   TORCH_CHECK(y.size(0) == num_tokens && lora_a.size(0) == lora_bt.size(0) && lora_a.size(1) == width &&
                   lora_a.size(2) == h_in && lora_bt.size(2) == h_out,
               "shape mismatch: y [T, H_out], x [T, H_in], lora_a [N, S*R, H_in], lora_bt [N, R, H_out]");
   const auto [rows, tokens] = check_index(idx, order, num_tokens, lora_a.size(0));
   const int64_t* ranks = check_ranks(row_ranks, lora_a.size(0), rank);
-  const std::vector<int64_t> bounds(slice_bounds.begin(), slice_bounds.end());
   const float* x_ptr = x.data_ptr<float>();
   const float* a_ptr = lora_a.data_ptr<float>();
   const float* b_ptr = lora_bt.data_ptr<float>();
@@ -237,8 +254,6 @@ void lora_add_cpu(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, c
     for (int64_t p = begin; p < end;) {
       const int n = run_length(rows, tokens, p, end);
       const int64_t row = rows[tokens[p]], used = ranks ? ranks[row] : rank;
-      const float* a = a_ptr + row * width * h_in;
-      const float* bt = b_ptr + row * rank * h_out;
       const float* xs[kMaxRun];
       float* zs[kMaxRun];
       float* ys[kMaxRun];
@@ -247,23 +262,8 @@ void lora_add_cpu(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, c
         zs[k] = z.data() + k * width;
         ys[k] = y_ptr + tokens[p + k] * y_stride;
       }
-      switch (n) {
-        case 4: shrink_run<4>(a, xs, zs, width, h_in, rank, used); break;
-        case 3: shrink_run<3>(a, xs, zs, width, h_in, rank, used); break;
-        case 2: shrink_run<2>(a, xs, zs, width, h_in, rank, used); break;
-        default: shrink_run<1>(a, xs, zs, width, h_in, rank, used);
-      }
-      for (int64_t s = 0; s < num_slices; ++s) {
-        const float* zslice[kMaxRun];
-        for (int k = 0; k < n; ++k) zslice[k] = zs[k] + s * rank;
-        const int64_t lo = bounds[s], len = bounds[s + 1] - bounds[s];
-        switch (n) {
-          case 4: expand_run<4>(bt, h_out, used, zslice, ys, lo, len); break;
-          case 3: expand_run<3>(bt, h_out, used, zslice, ys, lo, len); break;
-          case 2: expand_run<2>(bt, h_out, used, zslice, ys, lo, len); break;
-          default: expand_run<1>(bt, h_out, used, zslice, ys, lo, len);
-        }
-      }
+      shrink_tokens(n, a_ptr + row * width * h_in, xs, zs, width, h_in, rank, used);
+      expand_tokens(n, b_ptr + row * rank * h_out, h_out, rank, used, zs, ys, bounds);
       p += n;
     }
   });
