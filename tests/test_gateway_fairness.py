@@ -1,9 +1,9 @@
 """Fair scheduling end to end: the tenant of each request comes from its API key, its weight from the registry.
 
-With `--scheduling-policy fair` and two seats, tenant A floods 12 long requests; once they are under way,
-tenant B sends 2 short ones. B's requests take the first seats that free up, so they start while most of
-A's flood still waits; /metrics shows each tenant's service and queue time. Under the default fcfs the same
-run seats B behind A's whole flood.
+With `--scheduling-policy fair` and two seats, tenant A floods 12 long requests; once all of them are in the
+engine (its running and waiting gauges on /metrics), tenant B sends 2 short ones. B's requests take the first
+seats that free up, so they start while most of A's flood still waits; /metrics shows each tenant's service and
+queue time. Under the default fcfs the same run seats B behind A's whole flood.
 
 The order compared is the order in which requests took a seat (a streamed response starts with its first
 token), not the order in which they finished: B's requests reach the engine some time after they are sent, and
@@ -52,11 +52,31 @@ def tenant(server, weight: float = 1.0) -> tuple[str, str]:
         return name, http.post(f"/admin/tenants/{name}/keys").json()["key"]
 
 
+def wait_until_in_engine(server, count: int, finished: threading.Semaphore, timeout_s: float = 60) -> None:
+    """Until `count` requests are running, waiting or done in the engine (its gauges on /metrics): on a loaded
+    machine a flood's last requests may reach the engine well after the first."""
+    done = 0
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        while finished.acquire(blocking=False):
+            done += 1
+        text = httpx.get(f"{server.url}/metrics", headers=ADMIN, timeout=30).text
+        gauges = {
+            name: float(value)
+            for name, value in (line.split() for line in text.splitlines() if line.startswith("loraplex_seqs_"))
+        }
+        if gauges.get("loraplex_seqs_running", 0) + gauges.get("loraplex_seqs_waiting", 0) + done >= count:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{count} requests never all reached the engine")
+
+
 def flood_then_short(server) -> tuple[list[str], str, str]:
     """The order in which requests took a seat after B's were sent ("A" / "B"), and the two tenants' names."""
     a_name, a_key = tenant(server)
     b_name, b_key = tenant(server, weight=2.0)
     seated: list[str] = []
+    finished = threading.Semaphore(0)
     lock = threading.Lock()
 
     def call(client: openai.OpenAI, label: str, max_tokens: int) -> None:
@@ -66,6 +86,7 @@ def flood_then_short(server) -> tuple[list[str], str, str]:
         with lock:  # the response's headers come with its first token: the request holds a seat
             seated.append(label)
         assert sum(len(chunk.choices) for chunk in stream) >= 1
+        finished.release()
 
     def client(key: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=120)
@@ -74,7 +95,7 @@ def flood_then_short(server) -> tuple[list[str], str, str]:
     short = [threading.Thread(target=call, args=(client(b_key), "B", SHORT)) for _ in range(2)]
     for thread in flood:
         thread.start()
-    time.sleep(0.5)  # A's flood is queued in the engine
+    wait_until_in_engine(server, FLOOD, finished)  # every one of A's requests is queued or running
     with lock:
         seated_before_b = len(seated)
     for thread in short:
