@@ -41,7 +41,9 @@ def digest_hex(digest: str) -> str:
     return match.group(1)
 
 
-def _read_directory(directory: Path, max_file_bytes: int) -> dict[str, bytes]:
+def read_adapter_directory(directory: Path, max_file_bytes: int = MAX_FILE_BYTES) -> dict[str, bytes]:
+    """An adapter directory's top-level regular files (no subdirectories, no symlinks), name -> bytes: what the
+    store keeps, and what a replica validates before it is kept. ValueError when one is too large or none is there."""
     files = {}
     for path in sorted(directory.iterdir()):
         if not path.is_file() or path.is_symlink():
@@ -88,7 +90,7 @@ class AdapterStore:
         digest_hex(digest)
         if await self.has(digest):
             return 0
-        files = await asyncio.to_thread(_read_directory, Path(directory), self.max_file_bytes)
+        files = await asyncio.to_thread(read_adapter_directory, Path(directory), self.max_file_bytes)
         async with self.sessions() as session:
             session.add_all(
                 AdapterFile(digest=digest, filename=name, content=content, size_bytes=len(content))

@@ -33,11 +33,11 @@ from engine.interface import (
     Tier,
 )
 from gateway.cluster.replica_stats import ReplicaStats
+from registry.adapter_store import read_adapter_directory
 
 logger = logging.getLogger(__name__)
 REPLICA_LOST = (RayActorError, WorkerCrashedError, ReplicaUnavailableError)
 TIER_ORDER: tuple[Tier, ...] = ("device", "host", "loading", "failed", "disk")
-MAX_ADAPTER_FILE_BYTES = 2 * 2**30
 
 
 class ReplicaLost(EngineStopped):
@@ -52,17 +52,14 @@ def unwrapped(error: BaseException) -> BaseException:
 
 
 def read_adapter_files(path: str) -> dict[str, bytes]:
-    """A PEFT directory's top-level files, to send to a replica for validation."""
+    """A PEFT directory's files as the registry's store will keep them, to send to a replica for validation."""
     directory = Path(path)
     if not directory.is_dir():
         raise AdapterError(f"adapter directory {path!r} does not exist")
-    files = {}
-    for file in sorted(directory.iterdir()):
-        if file.is_file():
-            if file.stat().st_size > MAX_ADAPTER_FILE_BYTES:
-                raise AdapterError(f"adapter file {file.name!r} is larger than {MAX_ADAPTER_FILE_BYTES} bytes")
-            files[file.name] = file.read_bytes()
-    return files
+    try:
+        return read_adapter_directory(directory)
+    except ValueError as e:
+        raise AdapterError(str(e)) from None
 
 
 def merged_snapshot(snapshots: list[EngineSnapshot]) -> EngineSnapshot:
