@@ -22,13 +22,9 @@
 
 namespace {
 
+using loraplex::check_rows;
 using loraplex::Vec;
 constexpr int64_t kRowsPerTask = 8;
-
-void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && (t.size(1) <= 1 || t.stride(1) == 1), name,
-              ": [T, H] float32 with contiguous rows");
-}
 
 void check_weight(const at::Tensor& weight, int64_t hidden) {
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden && weight.is_contiguous() &&

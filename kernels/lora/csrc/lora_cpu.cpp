@@ -29,14 +29,10 @@
 
 namespace {
 
+using loraplex::check_rows;
 using loraplex::Vec;
 constexpr int64_t kTokensPerTask = 4;
 constexpr int kMaxRun = 4;  // tokens of one adapter that go together
-
-void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && (t.size(1) <= 1 || t.stride(1) == 1), name,
-              ": [T, H] float32 with contiguous rows");
-}
 
 // Checks idx [T] and order [L]; returns their data.
 std::pair<const int64_t*, const int64_t*> check_index(const at::Tensor& idx, const at::Tensor& order,
