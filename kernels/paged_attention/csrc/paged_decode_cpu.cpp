@@ -41,6 +41,12 @@ inline float softmax_numerators(float* row, int64_t n) {
   return sum;
 }
 
+// Token t's row (one kv head) of a sequence's K or V, through its block table.
+inline const float* token_row(const float* base, const int32_t* table, int64_t t, int64_t block_size,
+                              int64_t block_stride, int64_t token_stride) {
+  return base + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+}
+
 // How many tokens ahead the K/V loops ask for rows: the blocks lie anywhere in the pool, so the hardware
 // prefetcher, which follows strides, loses the thread at each block's end.
 constexpr int64_t kAhead = 8;
@@ -61,10 +67,9 @@ void attend(const float* q_rows, int64_t q_head_stride, const float* k_base, con
   for (int64_t g = 0; g < kGroup; ++g)
     for (int64_t c = 0; c < kChunks; ++c) q[g][c] = Vec::loadu(q_rows + g * q_head_stride + c * Vec::size());
   for (int64_t t = 0; t < context_len; ++t) {  // scores[g, t] = scale * q_g . k_t
-    const float* k = k_base + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+    const float* k = token_row(k_base, table, t, block_size, block_stride, token_stride);
     if (t + kAhead < context_len)
-      prefetch_row<kDim>(k_base + table[(t + kAhead) / block_size] * block_stride +
-                         ((t + kAhead) % block_size) * token_stride);
+      prefetch_row<kDim>(token_row(k_base, table, t + kAhead, block_size, block_stride, token_stride));
     Vec krow[kChunks];
     for (int64_t c = 0; c < kChunks; ++c) krow[c] = Vec::loadu(k + c * Vec::size());
     for (int64_t g = 0; g < kGroup; ++g) {
@@ -79,10 +84,9 @@ void attend(const float* q_rows, int64_t q_head_stride, const float* k_base, con
   for (int64_t g = 0; g < kGroup; ++g)
     for (int64_t c = 0; c < kChunks; ++c) out[g][c] = Vec(0.f);
   for (int64_t t = 0; t < context_len; ++t) {  // out_g += p[g, t] v_t
-    const float* v = v_base + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+    const float* v = token_row(v_base, table, t, block_size, block_stride, token_stride);
     if (t + kAhead < context_len)
-      prefetch_row<kDim>(v_base + table[(t + kAhead) / block_size] * block_stride +
-                         ((t + kAhead) % block_size) * token_stride);
+      prefetch_row<kDim>(token_row(v_base, table, t + kAhead, block_size, block_stride, token_stride));
     Vec vrow[kChunks];
     for (int64_t c = 0; c < kChunks; ++c) vrow[c] = Vec::loadu(v + c * Vec::size());
     for (int64_t g = 0; g < kGroup; ++g) {
@@ -102,7 +106,7 @@ void attend_any(const float* q_rows, int64_t q_head_stride, int64_t group, int64
     const float* qg = q_rows + g * q_head_stride;
     float* row = scores + g * context_len;
     for (int64_t t = 0; t < context_len; ++t) {
-      const float* k = k_base + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+      const float* k = token_row(k_base, table, t, block_size, block_stride, token_stride);
       float dot = 0.f;
       for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
       row[t] = scale * dot;
@@ -111,7 +115,7 @@ void attend_any(const float* q_rows, int64_t q_head_stride, int64_t group, int64
     float* o = out_rows + g * head_dim;
     std::fill(o, o + head_dim, 0.f);
     for (int64_t t = 0; t < context_len; ++t) {
-      const float* v = v_base + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+      const float* v = token_row(v_base, table, t, block_size, block_stride, token_stride);
       for (int64_t d = 0; d < head_dim; ++d) o[d] += row[t] * v[d];
     }
     for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
