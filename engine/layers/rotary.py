@@ -64,7 +64,7 @@ class RotaryEmbedding(torch.nn.Module):
 def rotate_heads(x: torch.Tensor, heads: int, head_dim: int, rope: Rope) -> torch.Tensor:
     """The first `heads` heads of each row of x [T, W] (W >= heads * head_dim), rotated: [T, heads, head_dim].
     On CPU float32 they are rotated in place in x, in one C++ pass; else into a new tensor by apply_rotary."""
-    native = fused_ops(x) if x.stride(-1) == 1 and rope.table.dtype == torch.float32 else None
+    native = fused_ops(x) if x.stride(-1) == 1 else None  # the table is float32 always (see _build)
     if native is None:
         return apply_rotary(x[:, : heads * head_dim].view(x.shape[0], heads, head_dim), rope.cos, rope.sin)
     native.rotary_neox_cpu(x, rope.positions, rope.table, heads)

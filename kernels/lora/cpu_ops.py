@@ -16,7 +16,6 @@ from torch import Tensor
 
 from .. import cpu_native
 from . import torch_ops
-from .compose import compose_add_lora
 from .meta import LoraMeta, check_expand, check_shrink
 
 # id(lora_b) -> (a weak reference to it, its version when transposed, lora_b^T)
@@ -66,9 +65,6 @@ def transposed(lora_b: Tensor) -> Tensor:
     return cached[2]
 
 
-_torch_add_lora = compose_add_lora(lora_shrink, lora_expand)
-
-
 def add_lora(
     y: Tensor,
     x: Tensor,
@@ -84,7 +80,7 @@ def add_lora(
         return
     native = _native(y, x, lora_a, lora_b)
     if native is None:
-        return _torch_add_lora(y, x, lora_a, lora_b, meta, output_slices, buffer)
+        return torch_ops.add_lora(y, x, lora_a, lora_b, meta, output_slices, buffer)
     native.lora_add_cpu(
         y,
         x,
