@@ -17,13 +17,14 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from adapters.base_spec import BaseModelSpec
-from adapters.lora_weights import AdapterError, LoRAWeights, load_lora
+from adapters.lora_weights import AdapterError, LoRAWeights, first_nonfinite, load_lora
 from adapters.ref import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,9 @@ class AdapterCache:
         device: torch.device,
         dtype: torch.dtype,
         allow_pickle: bool = False,
+        loader_setup: Callable[[], None] | None = None,
     ):
+        """`loader_setup` runs first on the loader thread (the engine keeps it off its OpenMP team)."""
         if max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be at least max_loras ({max_loras})")
         self.spec, self.packed = spec, packed
@@ -94,7 +97,9 @@ class AdapterCache:
         self._failed: dict[Key, AdapterError] = {}
         self._digests: dict[Key, str] = {}  # of every adapter ever loaded: it outlives the host copy
         self._lock = threading.Lock()
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-adapter-loader")
+        self._loader = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="loraplex-adapter-loader", initializer=loader_setup
+        )
         self.stats = AdapterCacheStats()
 
     # ---- host tier (any thread) ---------------------------------------------------------------------
@@ -107,7 +112,21 @@ class AdapterCache:
             for layer in range(self.spec.num_layers)
             for name, modules in self.packed.items()
         }
+        if first_nonfinite([t for pair in rows.values() for t in pair]) is not None:
+            raise self._overflow(weights)
+        if self.device.type == "cuda":
+            rows = {key: (a.pin_memory(), b.pin_memory()) for key, (a, b) in rows.items()}
         return HostAdapter(weights, rows, time.perf_counter() - start)
+
+    def _overflow(self, weights: LoRAWeights) -> AdapterError:
+        """Names the first module whose A, or B times its scaling, is not finite in the serving dtype."""
+        for (layer, module), (lora_a, lora_b, scaling) in sorted(weights.weights.items()):
+            if first_nonfinite([lora_a.to(self.dtype), (lora_b * scaling).to(self.dtype)]) is not None:
+                return AdapterError(
+                    f"adapter {weights.name!r}: layer {layer} {module}: lora_A, or lora_B times its scaling "
+                    f"{scaling:g}, overflows {self.dtype}, the dtype it is served in"
+                )
+        return AdapterError(f"adapter {weights.name!r} overflows {self.dtype}, the dtype it is served in")
 
     def _padded_rows(self, weights: LoRAWeights, layer: int, modules: tuple[str, ...]):
         rank, shapes = self.max_lora_rank, self.spec.module_shapes
@@ -120,15 +139,8 @@ class AdapterCache:
                 r = lora_a.shape[0]
                 a_rows, b_rows = a[s * rank : s * rank + r], b[offset : offset + lora_b.shape[0], :r]
                 a_rows.copy_(lora_a)
-                b_rows.copy_(lora_b * scaling)
-                if not (a_rows.isfinite().all() and b_rows.isfinite().all()):  # in the serving dtype
-                    raise AdapterError(
-                        f"adapter {weights.name!r}: layer {layer} {module}: lora_A, or lora_B times its scaling "
-                        f"{scaling:g}, overflows {self.dtype}, the dtype it is served in"
-                    )
+                b_rows.copy_(lora_b * scaling)  # may overflow the serving dtype: `read` checks
             offset += shapes[module][1]
-        if self.device.type == "cuda":
-            a, b = a.pin_memory(), b.pin_memory()
         return a, b
 
     def store(self, lora: LoRARequest, host: HostAdapter) -> LoRAWeights:

@@ -213,7 +213,21 @@ def _checked_weights(
         if rank != config.rank_for(key):
             raise fail(f"lora_A has rank {rank}, but adapter_config.json gives r={config.rank_for(key)} for it")
         weights[layer, module] = a, b, _checked_scaling(config, key, label)
+    keys = sorted(pairs.items())
+    bad = first_nonfinite([t for _, (a, b, _) in sorted(weights.items()) for t in (a, b)])
+    if bad is not None:
+        key, ab = keys[bad // 2][1], ("lora_A", "lora_B")[bad % 2]
+        raise AdapterError(f"adapter {label!r}: {key}.{ab} holds NaN or Inf values")
     return weights
+
+
+def first_nonfinite(tensors: list[torch.Tensor]) -> int | None:
+    """The index of the first tensor holding a NaN or an Inf, None when all are finite. The common case is one
+    pass over all of them (the largest magnitude: a NaN or an Inf carries through the max), not a check per tensor
+    (an adapter has hundreds of small ones); only a failure looks for which."""
+    if not tensors or bool(torch.cat([t.reshape(-1) for t in tensors]).abs().amax().isfinite()):
+        return None
+    return next(i for i, t in enumerate(tensors) if not bool(t.isfinite().all()))
 
 
 def _checked_scaling(config: AdapterConfig, key: str, label: str) -> float:
@@ -233,15 +247,11 @@ def _checked_scaling(config: AdapterConfig, key: str, label: str) -> float:
 
 
 def _checked_pair(lora_a: torch.Tensor, lora_b: torch.Tensor, fail) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [r, in] and B [out, r] (their base sides already checked) as fp32, once their ranks agree and every value is
-    finite."""
+    """A [r, in] and B [out, r] (their base sides already checked) as fp32, once their ranks agree (finiteness is
+    checked over all pairs at once, by `_checked_weights`)."""
     if lora_b.shape[1] != lora_a.shape[0]:
         raise fail(f"lora_B has shape {tuple(lora_b.shape)}, its rank differs from lora_A's {lora_a.shape[0]}")
-    a, b = lora_a.to(torch.float32).contiguous(), lora_b.to(torch.float32).contiguous()
-    for ab, t in (("lora_A", a), ("lora_B", b)):
-        if not torch.isfinite(t).all():
-            raise fail(f"{ab} holds NaN or Inf values")
-    return a, b
+    return lora_a.to(torch.float32).contiguous(), lora_b.to(torch.float32).contiguous()
 
 
 def _digest(tensors: dict[str, torch.Tensor], scalings: dict[str, float]) -> str:

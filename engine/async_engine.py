@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING, TypeVar
 
+from engine.cpu_threads import run_alone
 from engine.interface_types import (
     AdapterInfo,
     EngineConfig,
@@ -223,7 +224,11 @@ class AsyncEngine:
     # ---- adapters ------------------------------------------------------------------------------------
     async def _read(self, lora: LoRARequest) -> HostAdapter | None:
         """Disk -> a host copy on a worker thread (None when it is already in host memory); raises AdapterError."""
-        return await asyncio.to_thread(self._engine.read_adapter, lora)
+        return await asyncio.to_thread(self._read_on_worker, lora)
+
+    def _read_on_worker(self, lora: LoRARequest) -> HostAdapter | None:
+        run_alone()  # the worker's torch ops must not start an OpenMP team beside the engine's
+        return self._engine.read_adapter(lora)
 
     async def add_adapter(self, lora: LoRARequest) -> AdapterInfo:
         """Reads and validates the adapter (unless it is in host memory) and keeps it there; raises AdapterError

@@ -17,6 +17,7 @@ from adapters.base_spec import BaseModelSpec
 from adapters.cache import AdapterCache
 from engine.config import EngineConfig
 from engine.cpu_malloc import keep_freed_memory
+from engine.cpu_threads import run_alone
 from engine.layers.lora_linear import LoRALinear
 from engine.layers.packed_linear import can_pack, pack_linears
 from engine.model_loader import load_model
@@ -93,6 +94,7 @@ class ModelRunner:
             self.device,
             config.torch_dtype,
             config.allow_pickle_adapters,
+            loader_setup=run_alone,
         )
         for layer_idx in range(arch.num_layers):
             for name, owner in self.model.lora_owners(layer_idx).items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from bench.background_load import background_load
+from engine import cpu_threads
 from engine.cpu_threads import ThreadGovernor, busy_seconds, usable_cores
 from engine.llm import LLM
 from tests.hf_models import make_model
@@ -96,3 +98,28 @@ def test_the_engine_governs_its_team_unless_told_not_to(model_dir):
     assert adaptive.engine.snapshot().cpu_threads == torch.get_num_threads()
     fixed = LLM(model=str(model_dir), device="cpu", num_kv_blocks=8, cpu_threads=2, cpu_threads_adapt=False)
     assert fixed.engine.thread_governor is None
+
+
+def test_a_helper_thread_runs_its_torch_ops_alone_and_the_engine_keeps_its_team():
+    if cpu_threads._libgomp_set_num_threads() is None:
+        pytest.skip("torch is not built with libgomp here")
+    torch.set_num_threads(2)
+    seen: list[int] = []
+
+    def helper():
+        cpu_threads.run_alone()
+        torch.randn(1_000_000).abs().amax()  # large enough to run in parallel if it could
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=helper)
+    thread.start()
+    thread.join()
+    assert seen == [1] and torch.get_num_threads() == 2  # torch.set_num_threads would have set both to 1
+
+
+def test_the_adapter_loader_thread_runs_alone(model_dir):
+    if cpu_threads._libgomp_set_num_threads() is None:
+        pytest.skip("torch is not built with libgomp here")
+    llm = LLM(model=str(model_dir), device="cpu", num_kv_blocks=8, cpu_threads=2, enable_lora=True, max_loras=1)
+    assert llm.engine.adapter_cache._loader.submit(torch.get_num_threads).result() == 1
+    assert torch.get_num_threads() == 2
