@@ -324,6 +324,12 @@ class AdapterCache:
             return len(self._host)
 
     @property
+    def num_staged(self) -> int:
+        """Adapters loading, or in host memory without a device row: those a prefetch has put ahead of use."""
+        with self._lock:
+            return len(self._loading) + sum(1 for key in self._host if key not in self._rows.row_of)
+
+    @property
     def num_pinned(self) -> int:
         return sum(1 for p in self._rows.pins if p)
 

@@ -49,8 +49,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Runs every prompt to completion in one continuous batch; outputs come back in prompt order.
         `lora_request`: one adapter for every prompt, or one (or None) per prompt; `tenant` likewise (it matters
-        under scheduling_policy="fair"). A request that failed alone
-        (its adapter could not load, its numbers went non-finite) comes back with `error` set."""
+        under scheduling_policy="fair"). The adapters of the first max_loras requests to need one are read first, and
+        one that does not load raises AdapterError before any prompt runs. A request that failed alone (an adapter
+        read later could not load, its numbers went non-finite) comes back with `error` set."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -66,8 +67,11 @@ class LLM:
         requests = [self.to_request(*args) for args in zip(prompts, params, loras, tenants)]
         for request in requests:  # validate all, adapters included, before queueing any
             self.engine.validate(request)
-        first_needed = dict.fromkeys(r.lora for r in requests if r.lora is not None)
-        for lora in reversed(first_needed):  # the first ones needed are loaded last: they stay in host memory
+        # the adapters the first rows take are read now (a bad one raises before anything is queued); the others
+        # load in the background as their turn nears (reading them all here would push the first ones out of host
+        # memory when there are more than it holds), and one that fails then ends its own requests with the error
+        first_needed = list(dict.fromkeys(r.lora for r in requests if r.lora is not None))
+        for lora in first_needed[: self.engine.config.max_loras]:
             self.engine.add_adapter(lora)
         for request in requests:
             self.engine.add_request(request)

@@ -57,7 +57,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.adapter_cache = adapter_cache
         self.failed: list[tuple[Sequence, Exception]] = []  # adapter loads that failed; the engine ends them
-        self._row_wait_steps = 0  # steps some waiting seq has been waiting for a free adapter row
+        self._row_waiter: Sequence | None = None  # the oldest seq waiting for a free adapter row
+        self._row_wait_steps = 0  # steps it has been waiting
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # ordered by arrival
         self.num_preemptions = 0
@@ -69,7 +70,8 @@ class Scheduler:
         lora = seq.group.lora
         if lora is not None and not self.adapter_cache.is_resident(lora):
             seq.group.adapter_tier = "host" if self.adapter_cache.on_host(lora) else "disk"
-            self.adapter_cache.prefetch(lora)  # a cold adapter starts loading now, beside the running batch
+            if self.adapter_cache.num_staged < self._prefetch_window:
+                self.adapter_cache.prefetch(lora)  # a cold adapter starts loading now, beside the running batch
 
     def add_running(self, seq: Sequence) -> None:
         """A forked sample joins the running batch next to its parent (sharing its request's adapter row)."""
@@ -127,33 +129,35 @@ class Scheduler:
             if seq.seq_id in picked:
                 self._charge(seq, picked[seq.seq_id])
         if not preempted:
-            budget, row_blocked = self._admit(budget, picked)
-            self._row_wait_steps = self._row_wait_steps + 1 if row_blocked else 0
+            budget, waiter = self._admit(budget, picked)
+            self._count_row_wait(waiter)
         if self.adapter_cache is not None:
             self._prefetch_adapters()
         return self._batch(picked, [c for cp in copies.values() for c in cp], preempted)
 
-    def _admit(self, budget: int, picked: dict[int, int]) -> tuple[int, bool]:
+    def _admit(self, budget: int, picked: dict[int, int]) -> tuple[int, Sequence | None]:
         """Waiting seqs join oldest first while budget, seats and blocks last. A seq whose adapter is still
         loading is passed over (others run meanwhile). Once an older seq waits for a free adapter row,
-        younger ones may not take rows before it; for ROW_WAIT_STEPS steps they may still join adapters
-        already on a row, after that not even those, so the rows drain and the older seq cannot starve.
-        A seq whose request already pins a row (it was preempted) needs no new one."""
-        row_blocked = False
+        younger ones may not take rows before it; for ROW_WAIT_STEPS steps of its wait they may still join
+        adapters already on a row, after that not even those, so the rows drain and the older seq cannot starve.
+        A seq whose request already pins a row (it was preempted) needs no new one. Returns the budget left and
+        the first seq that found every row pinned (None when none did)."""
+        waiter: Sequence | None = None
         for seq in self.policy.order(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             group, pinned_now = seq.group, False
             if group.lora is not None and group.adapter_idx == NO_ADAPTER:
                 lenient = self._row_wait_steps < ROW_WAIT_STEPS and self.adapter_cache.is_resident(group.lora)
-                if row_blocked and not lenient:
+                if waiter is not None and not lenient:
                     continue
                 status = self._pin_adapter(seq)
                 if status == "failed":
                     self.waiting.remove(seq)
                     continue
                 if status != "ok":
-                    row_blocked = row_blocked or status == "no_row"
+                    if status == "no_row" and waiter is None:
+                        waiter = seq
                     continue
                 pinned_now = True
             cached = self.block_manager.find_cached_prefix(seq)
@@ -172,7 +176,18 @@ class Scheduler:
             self._charge(seq, num_new)
             picked[seq.seq_id] = num_new
             budget -= num_new
-        return budget, row_blocked
+        return budget, waiter
+
+    def _count_row_wait(self, waiter: Sequence | None) -> None:
+        """Counts the steps of one wait for a row: it ends when the seq that began it holds a row (or is gone),
+        so the next wait starts from zero; while it lasts, another seq blocked first does not restart it."""
+        if waiter is None:
+            self._row_waiter, self._row_wait_steps = None, 0
+            return
+        last = self._row_waiter
+        if last is None or last.status is not SequenceStatus.WAITING or last.group.adapter_idx != NO_ADAPTER:
+            self._row_waiter, self._row_wait_steps = waiter, 0
+        self._row_wait_steps += 1
 
     def _charge(self, seq: Sequence, num_new: int) -> None:
         """Bills the tokens a seq computes this step to its tenant (prompt tokens as prefill, the rest as decode)."""
@@ -185,8 +200,7 @@ class Scheduler:
     def _prefetch_adapters(self) -> None:
         """Starts loading the adapters the queue will want next, oldest first, but only as many as host
         memory holds beside the device rows, so a prefetched adapter is not evicted before its turn."""
-        cache, wanted = self.adapter_cache, set()
-        window = max(1, cache.max_cpu_loras - cache.max_loras)
+        cache, wanted, window = self.adapter_cache, set(), self._prefetch_window
         for seq in self.waiting:
             lora = seq.group.lora
             if lora is None or lora.key in wanted or cache.is_resident(lora):
@@ -195,6 +209,11 @@ class Scheduler:
             cache.prefetch(lora)
             if len(wanted) >= window:
                 break
+
+    @property
+    def _prefetch_window(self) -> int:
+        """How many adapters may wait in host memory (loaded or loading) beside the device rows."""
+        return max(1, self.adapter_cache.max_cpu_loras - self.adapter_cache.max_loras)
 
     def _pin_adapter(self, seq: Sequence) -> str:
         """Pins the adapter row of the seq's request: "ok", "loading", "no_row" (every row pinned) or "failed"."""

@@ -125,6 +125,28 @@ def test_bad_adapter_is_refused_clearly_and_others_keep_serving(model, tmp_path,
     assert_idle(llm)
 
 
+def test_offline_a_bad_adapter_past_the_first_rows_ends_its_own_requests_and_the_others_finish(model, tmp_path):
+    base, loras, _ = model
+    llm = make_llm(base, max_loras=1, max_cpu_loras=2)
+    bad = LoRARequest("bad-late", corrupt("truncated", loras[0].path, tmp_path))
+    outputs = llm.generate([[5, 6, 7], [8, 9], [5, 6, 7]], GREEDY, lora_request=[loras[1], bad, loras[2]])
+    assert isinstance(outputs[1].error, AdapterError) and "bad-late" in str(outputs[1].error)
+    assert [len(out.outputs[0].token_ids) for out in (outputs[0], outputs[2])] == [GREEDY.max_tokens] * 2
+    assert outputs[0].error is None and outputs[2].error is None
+    assert_idle(llm)
+
+
+def test_offline_generate_reads_each_adapter_once_when_there_are_more_than_host_memory_holds(model):
+    base, loras, _ = model
+    llm = make_llm(base, max_loras=1, max_cpu_loras=2)
+    batch = prompts(256, 2 * NUM_ADAPTERS, seed=7)
+    outputs = llm.generate(batch, GREEDY, lora_request=[loras[i // 2] for i in range(len(batch))])
+    assert all(out.error is None and len(out.outputs[0].token_ids) == GREEDY.max_tokens for out in outputs)
+    # each adapter read when its turn neared, not all up front (which pushed the first ones out before their turn)
+    assert llm.engine.adapter_cache.stats.loads == NUM_ADAPTERS
+    assert_idle(llm)
+
+
 def test_async_cold_adapter_loads_while_others_run_and_a_bad_one_fails_alone(model, tmp_path):
     base, loras, _ = model
     engine = AsyncEngine.from_config(

@@ -3,6 +3,7 @@ adapter cache, at most max_loras adapters a step, no starvation, and one adapter
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 from adapters.cache import AdapterCache
@@ -138,6 +139,51 @@ def test_an_adapter_waiting_for_a_row_gets_one_while_requests_keep_coming_for_th
             break
         run_step(scheduler)
     assert_idle(scheduler)
+    cache.shutdown()
+
+
+def test_each_wait_for_a_row_starts_its_own_count_of_lenient_steps(tiny_adapters):
+    spec, (a, b, c, _) = tiny_adapters
+    cache = make_cache(spec, max_loras=1, max_cpu_loras=3)
+    for lora in (a, b, c):
+        cache.load(lora)
+    scheduler = make_scheduler(adapter_cache=cache, max_num_seqs=8, max_num_batched_tokens=64)
+    first = make_seq([1, 2, 3], lora=a)
+    scheduler.add(first)
+    run_step(scheduler)
+    scheduler.add(make_seq([4, 5, 6], lora=b))
+    scheduler.add(make_seq([7, 8, 9], lora=c))
+    for _ in range(ROW_WAIT_STEPS + 2):  # b's request waits out its lenient steps while a's request runs
+        run_step(scheduler)
+    scheduler.finish(first)
+    batch = run_step(scheduler)  # b's request takes the row, c's begins its own wait
+    assert {seq.group.lora.adapter_id for seq in batch.seqs} == {b.adapter_id}
+    joiner = make_seq([10, 11], lora=b)
+    scheduler.add(joiner)
+    assert joiner in run_step(scheduler).seqs  # a younger request may join b's row: c has only begun to wait
+    for _ in range(400):
+        finish_after(scheduler, 3)
+        if not scheduler.has_unfinished:
+            break
+        run_step(scheduler)
+    assert_idle(scheduler)
+
+
+def test_arrivals_start_loading_only_as_many_adapters_as_host_memory_holds_beside_the_rows(tiny_adapters):
+    spec, loras = tiny_adapters
+    cache = make_cache(spec, max_loras=1, max_cpu_loras=2)  # one adapter may wait in host memory
+    scheduler = make_scheduler(adapter_cache=cache, max_num_seqs=8, max_num_batched_tokens=64)
+    for lora in loras:
+        scheduler.add(make_seq([1, 2, 3], lora=lora))
+    assert [cache.tier(lora) for lora in loras[1:]] == ["disk"] * (len(loras) - 1)
+    for _ in range(2000):
+        finish_after(scheduler, 3)
+        if not scheduler.has_unfinished:
+            break
+        if not run_step(scheduler).seqs:
+            time.sleep(0.005)  # the loader thread reads the next adapter
+    assert_idle(scheduler)
+    assert cache.stats.loads == len(loras) and cache.stats.failures == 0  # none read twice
     cache.shutdown()
 
 
