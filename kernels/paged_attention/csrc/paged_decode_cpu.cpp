@@ -1,6 +1,6 @@
 // Paged decode attention on CPU: one new token per sequence attends to its whole context, read in place from the
-// block pool through its block table (no gathered copy of K/V). Parallel over (sequence, kv head) on torch's own
-// OpenMP team; the q heads sharing a kv head (GQA) read each K/V row once.
+// block pool through its block table (no gathered copy of K/V), a block (all kv heads) at a time. Parallel over
+// sequences on torch's own OpenMP team; the q heads sharing a kv head (GQA) read each K/V row once.
 //
 //   q            [S, Hq, D]  float32, any row/head strides, unit stride inside a head
 //   k/v_cache    [num_blocks, block_size, Hkv, D]  float32, contiguous
@@ -47,55 +47,80 @@ inline const float* token_row(const float* base, const int32_t* table, int64_t t
   return base + table[t / block_size] * block_stride + (t % block_size) * token_stride;
 }
 
-// How many tokens ahead the K/V loops ask for rows: the blocks lie anywhere in the pool, so the hardware
-// prefetcher, which follows strides, loses the thread at each block's end.
-constexpr int64_t kAhead = 8;
-
+// Asks for a row of the next block while the same row of this one is used: the blocks lie anywhere in the pool,
+// so the hardware prefetcher, which follows strides, loses the thread at each block's end. Spread over the block's
+// rows, the requests stay a steady stream (a whole block asked for at once queued behind itself).
 template <int64_t kDim>
 inline void prefetch_row(const float* row) {
   for (int64_t i = 0; i < kDim; i += 64 / static_cast<int64_t>(sizeof(float))) __builtin_prefetch(row + i, 0, 1);
 }
 
-// One (sequence, kv head): its `group` q heads against its keys, K/V rows read in place through its block table,
-// each row once for all the heads sharing it (GQA). kChunks = head_dim / Vec::size(), kGroup = q heads per kv head.
+// One sequence, every kv head: its q heads against its keys, K/V read in place through its block table one block
+// at a time (each block's tokens of all kv heads lie together in the pool, so a block is read whole, once, while
+// the next is prefetched), each K/V row once for all the q heads sharing it (GQA).
+// kChunks = head_dim / Vec::size(), kGroup = q heads per kv head.
+//   scores: [num_kv_heads, kGroup, context_len]    acc: [num_kv_heads * kGroup, head_dim]
 template <int64_t kChunks, int64_t kGroup>
-void attend(const float* q_rows, int64_t q_head_stride, const float* k_base, const float* v_base,
-            const int32_t* table, int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t context_len,
-            float scale, float* scores, float* out_rows) {
+void attend_seq(const float* q_seq, int64_t q_head_stride, int64_t num_kv_heads, const float* k_ptr,
+                const float* v_ptr, const int32_t* table, int64_t block_size, int64_t block_stride,
+                int64_t token_stride, int64_t context_len, float scale, float* scores, float* acc, float* out_seq) {
   constexpr int64_t kDim = kChunks * Vec::size();
-  Vec q[kGroup][kChunks];
-  for (int64_t g = 0; g < kGroup; ++g)
-    for (int64_t c = 0; c < kChunks; ++c) q[g][c] = Vec::loadu(q_rows + g * q_head_stride + c * Vec::size());
-  for (int64_t t = 0; t < context_len; ++t) {  // scores[g, t] = scale * q_g . k_t
-    const float* k = token_row(k_base, table, t, block_size, block_stride, token_stride);
-    if (t + kAhead < context_len)
-      prefetch_row<kDim>(token_row(k_base, table, t + kAhead, block_size, block_stride, token_stride));
-    Vec krow[kChunks];
-    for (int64_t c = 0; c < kChunks; ++c) krow[c] = Vec::loadu(k + c * Vec::size());
-    for (int64_t g = 0; g < kGroup; ++g) {
-      Vec acc = q[g][0] * krow[0];
-      for (int64_t c = 1; c < kChunks; ++c) acc = at::vec::fmadd(q[g][c], krow[c], acc);
-      scores[g * context_len + t] = scale * acc.reduce_add();
+  const int64_t num_blocks = (context_len + block_size - 1) / block_size;
+  for (int64_t b = 0; b < num_blocks; ++b) {  // scores[h, g, t] = scale * q_hg . k_th
+    const float* block = k_ptr + table[b] * block_stride;
+    const float* next = b + 1 < num_blocks ? k_ptr + table[b + 1] * block_stride : nullptr;
+    const int64_t first = b * block_size, n = std::min(block_size, context_len - first);
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      Vec q[kGroup][kChunks];
+      for (int64_t g = 0; g < kGroup; ++g)
+        for (int64_t c = 0; c < kChunks; ++c)
+          q[g][c] = Vec::loadu(q_seq + (h * kGroup + g) * q_head_stride + c * Vec::size());
+      float* head_scores = scores + h * kGroup * context_len + first;
+      for (int64_t t = 0; t < n; ++t) {
+        const float* k = block + t * token_stride + h * kDim;
+        if (next) prefetch_row<kDim>(next + t * token_stride + h * kDim);
+        Vec krow[kChunks];
+        for (int64_t c = 0; c < kChunks; ++c) krow[c] = Vec::loadu(k + c * Vec::size());
+        for (int64_t g = 0; g < kGroup; ++g) {
+          Vec dot = q[g][0] * krow[0];
+          for (int64_t c = 1; c < kChunks; ++c) dot = at::vec::fmadd(q[g][c], krow[c], dot);
+          head_scores[g * context_len + t] = scale * dot.reduce_add();
+        }
+      }
     }
   }
-  float inv[kGroup];
-  for (int64_t g = 0; g < kGroup; ++g) inv[g] = 1.f / softmax_numerators(scores + g * context_len, context_len);
-  Vec out[kGroup][kChunks];
-  for (int64_t g = 0; g < kGroup; ++g)
-    for (int64_t c = 0; c < kChunks; ++c) out[g][c] = Vec(0.f);
-  for (int64_t t = 0; t < context_len; ++t) {  // out_g += p[g, t] v_t
-    const float* v = token_row(v_base, table, t, block_size, block_stride, token_stride);
-    if (t + kAhead < context_len)
-      prefetch_row<kDim>(token_row(v_base, table, t + kAhead, block_size, block_stride, token_stride));
-    Vec vrow[kChunks];
-    for (int64_t c = 0; c < kChunks; ++c) vrow[c] = Vec::loadu(v + c * Vec::size());
-    for (int64_t g = 0; g < kGroup; ++g) {
-      const Vec p(scores[g * context_len + t]);
-      for (int64_t c = 0; c < kChunks; ++c) out[g][c] = at::vec::fmadd(p, vrow[c], out[g][c]);
+  const int64_t rows = num_kv_heads * kGroup;
+  std::vector<float> inv(rows);
+  for (int64_t r = 0; r < rows; ++r) inv[r] = 1.f / softmax_numerators(scores + r * context_len, context_len);
+  std::fill(acc, acc + rows * kDim, 0.f);
+  for (int64_t b = 0; b < num_blocks; ++b) {  // acc_hg += p[h, g, t] v_th
+    const float* block = v_ptr + table[b] * block_stride;
+    const float* next = b + 1 < num_blocks ? v_ptr + table[b + 1] * block_stride : nullptr;
+    const int64_t first = b * block_size, n = std::min(block_size, context_len - first);
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      Vec out[kGroup][kChunks];
+      for (int64_t g = 0; g < kGroup; ++g)
+        for (int64_t c = 0; c < kChunks; ++c) out[g][c] = Vec::loadu(acc + (h * kGroup + g) * kDim + c * Vec::size());
+      const float* head_scores = scores + h * kGroup * context_len + first;
+      for (int64_t t = 0; t < n; ++t) {
+        const float* v = block + t * token_stride + h * kDim;
+        if (next) prefetch_row<kDim>(next + t * token_stride + h * kDim);
+        Vec vrow[kChunks];
+        for (int64_t c = 0; c < kChunks; ++c) vrow[c] = Vec::loadu(v + c * Vec::size());
+        for (int64_t g = 0; g < kGroup; ++g) {
+          const Vec p(head_scores[g * context_len + t]);
+          for (int64_t c = 0; c < kChunks; ++c) out[g][c] = at::vec::fmadd(p, vrow[c], out[g][c]);
+        }
+      }
+      for (int64_t g = 0; g < kGroup; ++g)
+        for (int64_t c = 0; c < kChunks; ++c) out[g][c].store(acc + (h * kGroup + g) * kDim + c * Vec::size());
     }
   }
-  for (int64_t g = 0; g < kGroup; ++g)
-    for (int64_t c = 0; c < kChunks; ++c) (out[g][c] * Vec(inv[g])).store(out_rows + g * kDim + c * Vec::size());
+  for (int64_t r = 0; r < rows; ++r) {
+    const Vec inv_r(inv[r]);
+    float* o = out_seq + r * kDim;
+    for (int64_t c = 0; c < kChunks; ++c) (Vec::loadu(acc + r * kDim + c * Vec::size()) * inv_r).store(o + c * Vec::size());
+  }
 }
 
 // Any head_dim and GQA ratio (the templated path covers head_dim = 1..16 vectors and ratios 1..8): plain loops.
@@ -158,22 +183,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     }
   }
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;  // [group, context_len]
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / num_kv_heads, h = task % num_kv_heads, context_len = lens[s];
-      scores.resize(group * context_len);
-      const float* q_rows = q_ptr + s * q_seq_stride + h * group * q_head_stride;
-      const float* k_base = k_ptr + h * head_dim;
-      const float* v_base = v_ptr + h * head_dim;
+  const int64_t chunks = head_dim % Vec::size() == 0 ? head_dim / Vec::size() : 0;
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(num_heads * head_dim);  // [Hkv, group, context_len], [Hq, D]
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t context_len = lens[s];
+      scores.resize(num_heads * context_len);
+      const float* q_seq = q_ptr + s * q_seq_stride;
       const int32_t* table = tables + s * max_blocks;
-      float* out_rows = out_ptr + (s * num_heads + h * group) * head_dim;
-      const int64_t chunks = head_dim % Vec::size() == 0 ? head_dim / Vec::size() : 0;
+      float* out_seq = out_ptr + s * num_heads * head_dim;
       bool done = true;
 #define LORAPLEX_ATTEND(kc, kg)                                                                                   \
   if (chunks == kc && group == kg)                                                                                \
-    attend<kc, kg>(q_rows, q_head_stride, k_base, v_base, table, block_size, block_stride, token_stride,          \
-                   context_len, fscale, scores.data(), out_rows);                                                 \
+    attend_seq<kc, kg>(q_seq, q_head_stride, num_kv_heads, k_ptr, v_ptr, table, block_size, block_stride,         \
+                       token_stride, context_len, fscale, scores.data(), acc.data(), out_seq);                    \
   else
       LORAPLEX_ATTEND(1, 1) LORAPLEX_ATTEND(1, 2) LORAPLEX_ATTEND(1, 3) LORAPLEX_ATTEND(1, 4)
       LORAPLEX_ATTEND(1, 5) LORAPLEX_ATTEND(1, 6) LORAPLEX_ATTEND(1, 7) LORAPLEX_ATTEND(1, 8)
@@ -187,9 +210,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       LORAPLEX_ATTEND(16, 5) LORAPLEX_ATTEND(16, 6) LORAPLEX_ATTEND(16, 7) LORAPLEX_ATTEND(16, 8)
       done = false;
 #undef LORAPLEX_ATTEND
-      if (!done)
-        attend_any(q_rows, q_head_stride, group, head_dim, k_base, v_base, table, block_size, block_stride,
-                   token_stride, context_len, fscale, scores.data(), out_rows);
+      for (int64_t h = 0; !done && h < num_kv_heads; ++h)
+        attend_any(q_seq + h * group * q_head_stride, q_head_stride, group, head_dim, k_ptr + h * head_dim,
+                   v_ptr + h * head_dim, table, block_size, block_stride, token_stride, context_len, fscale,
+                   scores.data(), out_seq + h * group * head_dim);
     }
   });
   return out;
