@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> dict:
         max_num_seqs=workload["max_num_seqs"],
         max_num_batched_tokens=max(2048, workload["max_num_seqs"]),
         enable_lora=use_lora,
-        max_loras=max(1, len(adapters)),
-        max_cpu_loras=max(1, len(adapters)),
+        max_loras=workload.get("max_loras", max(1, len(adapters))),
+        max_cpu_loras=workload.get("max_cpu_loras", max(1, len(adapters))),
         max_lora_rank=workload["max_lora_rank"],
     )
     output_len = workload["output_len"]

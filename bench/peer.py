@@ -2,6 +2,7 @@
 
     loraplex bench peer [--vllm-venv /tmp/peers/vllm-venv] [--threads 2] [--background-load 1]
                         [--modes base,lora] [--adapters 8] [--model DIR --lora NAME=PATH ...]
+                        [--max-loras 16 --max-cpu-loras 32]      (fewer adapter rows than adapters)
     loraplex bench peer --demo [...]      (the embedded demo's SmolLM2, as an HF directory, and its adapters)
 
 Default workload (W1 of ../shared/peers): the random 56M Llama of `bench engine`, K=8 random rank-8 adapters on
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3, help="timed runs per system and mode (%(default)s)")
+    parser.add_argument("--max-loras", type=int, help="adapter rows in each engine (default: one per adapter)")
+    parser.add_argument("--max-cpu-loras", type=int, help="adapters in host memory (default: every adapter)")
     parser.add_argument("--skip-loraplex", action="store_true", help="vLLM only")
     parser.add_argument("--json", type=Path, default=Path("bench-results/peer.json"))
     return parser
@@ -70,7 +73,16 @@ def compare(args: argparse.Namespace) -> dict:
     if args.threads < 1:
         raise BenchError(f"--threads must be positive, got {args.threads}")
     vllm_python = vllm_interpreter(args.vllm_venv) if args.vllm_venv else None
-    workload = PeerWorkload(args.num_prompts, args.input_len, args.output_len, args.runs)
+    if any(n is not None and n < 1 for n in (args.max_loras, args.max_cpu_loras)):
+        raise BenchError("--max-loras and --max-cpu-loras must be positive")
+    workload = PeerWorkload(
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.runs,
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+    )
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="loraplex-peer-") as tmp:
         model, adapters, rank = prepare_model(args, Path(tmp))

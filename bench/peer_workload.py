@@ -1,7 +1,8 @@
 """The peer comparison's workload file: one JSON that loraplex's and vLLM's drivers both read.
 
     {"model": DIR, "adapters": [[name, path], ...], "output_len": 64, "max_model_len": ..., "max_num_seqs": ...,
-     "max_lora_rank": 8, "warmup": [[ids, adapter_index], ...], "runs": [[[ids, adapter_index], ...], ...]}
+     "max_lora_rank": 8, "max_loras": 8, "max_cpu_loras": 8,
+     "warmup": [[ids, adapter_index], ...], "runs": [[[ids, adapter_index], ...], ...]}
 
 Every run has fresh random prompt ids (no run can hit the other's prefix cache) and each request's adapter is
 drawn uniformly among the K adapters; the same seed gives the same file.
@@ -24,6 +25,8 @@ class PeerWorkload:
     output_len: int = 64
     runs: int = 3
     seed: int = 0
+    max_loras: int | None = None  # adapter rows in each engine (None: one per adapter)
+    max_cpu_loras: int | None = None  # adapters in host memory (None: every adapter)
 
     def requests(self, vocab_size: int, num_adapters: int, run: int) -> list[tuple[list[int], int]]:
         """[(prompt ids, adapter index)] of one run; index 0 when there are no adapters."""
@@ -38,6 +41,7 @@ class PeerWorkload:
 
     def write(self, path: Path, model: Path, adapters: list[tuple[str, str]], max_lora_rank: int) -> Path:
         vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+        rows = self.max_loras or max(1, len(adapters))
         warmup_rng = random.Random(-1 - self.seed)
         warmup = [  # one short request per adapter: every adapter loaded before the clock starts
             ([warmup_rng.randrange(FIRST_REGULAR_ID, vocab_size) for _ in range(16)], i)
@@ -50,6 +54,8 @@ class PeerWorkload:
             "max_model_len": self.input_len + self.output_len + 16,
             "max_num_seqs": max(self.num_prompts, 1),
             "max_lora_rank": max_lora_rank,
+            "max_loras": rows,
+            "max_cpu_loras": max(rows, self.max_cpu_loras or len(adapters)),
             "warmup": warmup,
             "runs": [self.requests(vocab_size, len(adapters), run) for run in range(self.runs)],
         }

@@ -47,8 +47,8 @@ def main() -> None:
     if use_lora:
         options.update(
             enable_lora=True,
-            max_loras=len(adapters),
-            max_cpu_loras=len(adapters),
+            max_loras=workload.get("max_loras", len(adapters)),
+            max_cpu_loras=workload.get("max_cpu_loras", len(adapters)),
             max_lora_rank=workload["max_lora_rank"],
         )
     llm = LLM(**options)
