@@ -91,6 +91,18 @@ def finish_after(scheduler: Scheduler, num_output_tokens: int) -> None:
             scheduler.finish(seq)
 
 
+def run_to_the_end(scheduler: Scheduler, max_steps: int = 400) -> None:
+    """Steps until every request has 3 output tokens and is finished (a step with nothing to run waits for the
+    loader thread), then checks that nothing is left held."""
+    for _ in range(max_steps):
+        finish_after(scheduler, 3)
+        if not scheduler.has_unfinished:
+            break
+        if not run_step(scheduler).seqs:
+            time.sleep(0.005)
+    assert_idle(scheduler)
+
+
 def assert_idle(scheduler: Scheduler) -> None:
     bm = scheduler.block_manager
     assert not scheduler.has_unfinished and bm.num_free_blocks == bm.num_blocks
@@ -133,12 +145,7 @@ def test_an_adapter_waiting_for_a_row_gets_one_while_requests_keep_coming_for_th
         scheduler.add(make_seq([7, 8], lora=a))  # each would extend a's hold on the row
         steps += 1
     assert waiting.adapter_idx == 0 and steps <= ROW_WAIT_STEPS + 4  # a's row drained, then b took it
-    for _ in range(400):  # and the queued requests for a run after b's
-        finish_after(scheduler, 3)
-        if not scheduler.has_unfinished:
-            break
-        run_step(scheduler)
-    assert_idle(scheduler)
+    run_to_the_end(scheduler)  # and the queued requests for a run after b's
     cache.shutdown()
 
 
@@ -161,12 +168,7 @@ def test_each_wait_for_a_row_starts_its_own_count_of_lenient_steps(tiny_adapters
     joiner = make_seq([10, 11], lora=b)
     scheduler.add(joiner)
     assert joiner in run_step(scheduler).seqs  # a younger request may join b's row: c has only begun to wait
-    for _ in range(400):
-        finish_after(scheduler, 3)
-        if not scheduler.has_unfinished:
-            break
-        run_step(scheduler)
-    assert_idle(scheduler)
+    run_to_the_end(scheduler)
 
 
 def test_arrivals_start_loading_only_as_many_adapters_as_host_memory_holds_beside_the_rows(tiny_adapters):
@@ -176,13 +178,7 @@ def test_arrivals_start_loading_only_as_many_adapters_as_host_memory_holds_besid
     for lora in loras:
         scheduler.add(make_seq([1, 2, 3], lora=lora))
     assert [cache.tier(lora) for lora in loras[1:]] == ["disk"] * (len(loras) - 1)
-    for _ in range(2000):
-        finish_after(scheduler, 3)
-        if not scheduler.has_unfinished:
-            break
-        if not run_step(scheduler).seqs:
-            time.sleep(0.005)  # the loader thread reads the next adapter
-    assert_idle(scheduler)
+    run_to_the_end(scheduler, max_steps=2000)
     assert cache.stats.loads == len(loras) and cache.stats.failures == 0  # none read twice
     cache.shutdown()
 
@@ -231,9 +227,4 @@ def test_a_preempted_request_keeps_its_adapter_row_and_resumes_on_it(loaded):
     scheduler.finish(old)
     batch = run_step(scheduler)
     assert new in batch.seqs and new.adapter_idx == row_b  # resumed on the same row
-    for _ in range(20):
-        finish_after(scheduler, 3)
-        if not scheduler.has_unfinished:
-            break
-        run_step(scheduler)
-    assert_idle(scheduler)
+    run_to_the_end(scheduler, max_steps=20)

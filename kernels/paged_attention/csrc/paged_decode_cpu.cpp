@@ -55,6 +55,21 @@ inline void prefetch_row(const float* row) {
   for (int64_t i = 0; i < kDim; i += 64 / static_cast<int64_t>(sizeof(float))) __builtin_prefetch(row + i, 0, 1);
 }
 
+// Block b of a sequence in the pool: its rows, the next block's (nullptr after the last), its first token, and
+// how many of its tokens are in the context.
+struct BlockRows {
+  const float* rows;
+  const float* next;
+  int64_t first, count;
+};
+
+inline BlockRows block_rows(const float* base, const int32_t* table, int64_t b, int64_t block_size,
+                            int64_t block_stride, int64_t context_len) {
+  const int64_t first = b * block_size;
+  const float* next = first + block_size < context_len ? base + table[b + 1] * block_stride : nullptr;
+  return {base + table[b] * block_stride, next, first, std::min(block_size, context_len - first)};
+}
+
 // One sequence, every kv head: its q heads against its keys, K/V read in place through its block table one block
 // at a time (each block's tokens of all kv heads lie together in the pool, so a block is read whole, once, while
 // the next is prefetched), each K/V row once for all the q heads sharing it (GQA).
@@ -67,9 +82,7 @@ void attend_seq(const float* q_seq, int64_t q_head_stride, int64_t num_kv_heads,
   constexpr int64_t kDim = kChunks * Vec::size();
   const int64_t num_blocks = (context_len + block_size - 1) / block_size;
   for (int64_t b = 0; b < num_blocks; ++b) {  // scores[h, g, t] = scale * q_hg . k_th
-    const float* block = k_ptr + table[b] * block_stride;
-    const float* next = b + 1 < num_blocks ? k_ptr + table[b + 1] * block_stride : nullptr;
-    const int64_t first = b * block_size, n = std::min(block_size, context_len - first);
+    const auto [block, next, first, n] = block_rows(k_ptr, table, b, block_size, block_stride, context_len);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       Vec q[kGroup][kChunks];
       for (int64_t g = 0; g < kGroup; ++g)
@@ -94,9 +107,7 @@ void attend_seq(const float* q_seq, int64_t q_head_stride, int64_t num_kv_heads,
   for (int64_t r = 0; r < rows; ++r) inv[r] = 1.f / softmax_numerators(scores + r * context_len, context_len);
   std::fill(acc, acc + rows * kDim, 0.f);
   for (int64_t b = 0; b < num_blocks; ++b) {  // acc_hg += p[h, g, t] v_th
-    const float* block = v_ptr + table[b] * block_stride;
-    const float* next = b + 1 < num_blocks ? v_ptr + table[b + 1] * block_stride : nullptr;
-    const int64_t first = b * block_size, n = std::min(block_size, context_len - first);
+    const auto [block, next, first, n] = block_rows(v_ptr, table, b, block_size, block_stride, context_len);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       Vec out[kGroup][kChunks];
       for (int64_t g = 0; g < kGroup; ++g)
