@@ -3,6 +3,7 @@
     loraplex bench peer [--vllm-venv /tmp/peers/vllm-venv] [--threads 2] [--background-load 1]
                         [--modes base,lora] [--adapters 8] [--model DIR --lora NAME=PATH ...]
                         [--max-loras 16 --max-cpu-loras 32]      (fewer adapter rows than adapters)
+                        [--dtype bfloat16]                       (both engines; float32 by default)
     loraplex bench peer --demo [...]      (the embedded demo's SmolLM2, as an HF directory, and its adapters)
 
 Default workload (W1 of ../shared/peers): the random 56M Llama of `bench engine`, K=8 random rank-8 adapters on
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--runs", type=int, default=3, help="timed runs per system and mode (%(default)s)")
     parser.add_argument("--max-loras", type=int, help="adapter rows in each engine (default: one per adapter)")
     parser.add_argument("--max-cpu-loras", type=int, help="adapters in host memory (default: every adapter)")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="both engines' (%(default)s)"
+    )
     parser.add_argument("--skip-loraplex", action="store_true", help="vLLM only")
     parser.add_argument("--json", type=Path, default=Path("bench-results/peer.json"))
     return parser
@@ -82,6 +86,7 @@ def compare(args: argparse.Namespace) -> dict:
         args.runs,
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,
+        dtype=args.dtype,
     )
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="loraplex-peer-") as tmp:

@@ -1,7 +1,7 @@
 """The peer comparison's workload file: one JSON that loraplex's and vLLM's drivers both read.
 
     {"model": DIR, "adapters": [[name, path], ...], "output_len": 64, "max_model_len": ..., "max_num_seqs": ...,
-     "max_lora_rank": 8, "max_loras": 8, "max_cpu_loras": 8,
+     "max_lora_rank": 8, "max_loras": 8, "max_cpu_loras": 8, "dtype": "float32",
      "warmup": [[ids, adapter_index], ...], "runs": [[[ids, adapter_index], ...], ...]}
 
 Every run has fresh random prompt ids (no run can hit the other's prefix cache) and each request's adapter is
@@ -27,6 +27,7 @@ class PeerWorkload:
     seed: int = 0
     max_loras: int | None = None  # adapter rows in each engine (None: one per adapter)
     max_cpu_loras: int | None = None  # adapters in host memory (None: every adapter)
+    dtype: str = "float32"  # both engines' (the oracle's precision by default)
 
     def requests(self, vocab_size: int, num_adapters: int, run: int) -> list[tuple[list[int], int]]:
         """[(prompt ids, adapter index)] of one run; index 0 when there are no adapters."""
@@ -56,6 +57,7 @@ class PeerWorkload:
             "max_lora_rank": max_lora_rank,
             "max_loras": rows,
             "max_cpu_loras": max(rows, self.max_cpu_loras or len(adapters)),
+            "dtype": self.dtype,
             "warmup": warmup,
             "runs": [self.requests(vocab_size, len(adapters), run) for run in range(self.runs)],
         }

@@ -39,7 +39,7 @@ def main() -> None:
     use_lora = bool(adapters) and not args.no_lora
     options = dict(
         model=workload["model"],
-        dtype="float32",
+        dtype=workload.get("dtype", "float32"),
         seed=0,
         max_model_len=workload["max_model_len"],
         max_num_seqs=workload["max_num_seqs"],

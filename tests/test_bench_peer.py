@@ -48,14 +48,17 @@ def test_the_workload_file_is_deterministic_with_fresh_prompts_each_run(model, w
     assert sorted(a for _, a in body["warmup"]) == [0, 1, 2]  # every adapter loaded before the clock starts
     assert body["max_model_len"] == 12 + 4 + 16 and body["output_len"] == 4
     assert body["max_loras"] == body["max_cpu_loras"] == 3  # a row per adapter unless told
+    assert body["dtype"] == "float32"
 
 
-def test_fewer_rows_than_adapters_reach_both_drivers(model, tmp_path):
+def test_fewer_rows_than_adapters_and_the_dtype_reach_both_drivers(model, tmp_path):
     base, adapters = model
-    rows = PeerWorkload(num_prompts=5, input_len=12, output_len=4, runs=1, seed=3, max_loras=1, max_cpu_loras=2)
+    rows = PeerWorkload(
+        num_prompts=5, input_len=12, output_len=4, runs=1, seed=3, max_loras=1, max_cpu_loras=2, dtype="bfloat16"
+    )
     workload_file = rows.write(tmp_path / "rows.json", base, adapters, 8)
     body = json.loads(workload_file.read_text())
-    assert (body["max_loras"], body["max_cpu_loras"]) == (1, 2)
+    assert (body["max_loras"], body["max_cpu_loras"], body["dtype"]) == (1, 2, "bfloat16")
     result = offline_driver.main(["--workload", str(workload_file), "--threads", "1"])
     assert result["output_tokens"] == 5 * 4
     log = tmp_path / "vllm.log"
@@ -63,7 +66,7 @@ def test_fewer_rows_than_adapters_reach_both_drivers(model, tmp_path):
     command = [sys.executable, str(REPO / "bench" / "vllm_driver.py"), "--workload", str(workload_file)]
     subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     init = json.loads(log.read_text().splitlines()[0])
-    assert (init["body"]["max_loras"], init["body"]["max_cpu_loras"]) == (1, 2)
+    assert (init["body"]["max_loras"], init["body"]["max_cpu_loras"], init["body"]["dtype"]) == (1, 2, "bfloat16")
 
 
 def _cpu_ticks(pid: int) -> int:
