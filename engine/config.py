@@ -106,8 +106,9 @@ class EngineConfig:
             )
 
     def _cpu_backend(self) -> str:
-        """cpu where the C++ kernels build (once per machine) and the dtype is float32, else torch."""
-        if self.dtype != "float32":
+        """cpu where the C++ kernels build (once per machine) and the dtype is float32 or bfloat16 (in bf16 only
+        the decode attention has a C++ kernel; LoRA and the fused layer ops take their torch forms), else torch."""
+        if self.dtype not in ("float32", "bfloat16"):
             return "torch"
         from kernels import cpu_native
 

@@ -269,8 +269,10 @@ def test_the_cpu_engine_keeps_one_core_free_unless_told(model_dir, monkeypatch):
 
 
 def test_cpu_attention_is_the_cpp_decode_kernel_where_it_builds(model_dir, cpu_kernel):
-    """auto on CPU: the cpu backend (torch + the C++ decode kernel) for float32 where the kernel builds, else torch."""
+    """auto on CPU: the cpu backend (torch + the C++ decode kernel) for float32 and bfloat16 where the kernel
+    builds, else torch (float16 has no kernel)."""
     expected = "cpu" if cpu_kernel is not None else "torch"
     assert EngineConfig(model=str(model_dir), device="cpu").attention_backend == expected
-    assert EngineConfig(model=str(model_dir), device="cpu", dtype="bfloat16").attention_backend == "torch"
+    assert EngineConfig(model=str(model_dir), device="cpu", dtype="bfloat16").attention_backend == expected
+    assert EngineConfig(model=str(model_dir), device="cpu", dtype="float16").attention_backend == "torch"
     assert EngineConfig(model=str(model_dir), device="cpu", attention_backend="torch").attention_backend == "torch"

@@ -190,6 +190,24 @@ def test_cpu_ops_any_head_dim(head_dim, require_cpu_kernel):
     torch.testing.assert_close(out, b.expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (9, 3)])
+def test_cpu_ops_bfloat16_decode_runs_in_the_kernel_close_to_fp32(
+    num_heads, num_kv_heads, require_cpu_kernel, monkeypatch
+):
+    """bf16 K/V are widened as they are read and everything is computed in fp32: close to the fp32 torch path
+    on the same (bf16) values, to bf16's own rounding of the output."""
+    from kernels.paged_attention import cpu_ops
+
+    calls, decode = [], cpu_ops._decode
+    monkeypatch.setattr(cpu_ops, "_decode", lambda *args: calls.append(1) or decode(*args))
+    b = make_batch("mixed", num_heads, num_kv_heads, 16, head_dim=64, num_pad=1, dtype=torch.bfloat16)
+    out = paged_attention(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.scale, backend="cpu")
+    assert calls and out.dtype == torch.bfloat16
+    k_cache, v_cache = b.k_cache.float(), b.v_cache.float()
+    reference = paged_attention(b.q.float(), b.k.float(), b.v.float(), k_cache, v_cache, b.meta, b.scale)
+    torch.testing.assert_close(out.float(), reference, rtol=1e-2, atol=1e-2)
+
+
 def test_cpu_decode_kernel_refuses_tables_and_lengths_out_of_range(require_cpu_kernel):
     b = make_batch("decode_only", 4, 2, 4)
     d = b.meta

@@ -2,19 +2,24 @@
 // block pool through its block table (no gathered copy of K/V), a block (all kv heads) at a time. Parallel over
 // sequences on torch's own OpenMP team; the q heads sharing a kv head (GQA) read each K/V row once.
 //
-//   q            [S, Hq, D]  float32, any row/head strides, unit stride inside a head
-//   k/v_cache    [num_blocks, block_size, Hkv, D]  float32, contiguous
+//   q            [S, Hq, D]  float32 or bfloat16 (bf16: head_dim a multiple of the vector width), any row/head
+//                strides, unit stride inside a head
+//   k/v_cache    [num_blocks, block_size, Hkv, D]  q's dtype, contiguous; bf16 is widened to fp32 as it is read,
+//                and everything is computed in fp32
 //   block_tables [S, max_blocks] int32    context_lens [S] int32 (>= 1)
 //   returns      [S, Hq, D]: softmax(scale * q . K^T) V over keys 0 .. context_len - 1
 
 #include "cpu_vec.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional_bfloat16.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -47,26 +52,40 @@ inline const float* token_row(const float* base, const int32_t* table, int64_t t
   return base + table[t / block_size] * block_stride + (t % block_size) * token_stride;
 }
 
+// Vec::size() elements of a row as fp32 (bf16 widened).
+template <typename T>
+inline Vec load_chunk(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec out;
+    at::vec::load_to_float(p, out);
+    return out;
+  }
+}
+
 // Asks for a row of the next block while the same row of this one is used: the blocks lie anywhere in the pool,
 // so the hardware prefetcher, which follows strides, loses the thread at each block's end. Spread over the block's
 // rows, the requests stay a steady stream (a whole block asked for at once queued behind itself).
-template <int64_t kDim>
-inline void prefetch_row(const float* row) {
-  for (int64_t i = 0; i < kDim; i += 64 / static_cast<int64_t>(sizeof(float))) __builtin_prefetch(row + i, 0, 1);
+template <int64_t kDim, typename T>
+inline void prefetch_row(const T* row) {
+  for (int64_t i = 0; i < kDim; i += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(row + i, 0, 1);
 }
 
 // Block b of a sequence in the pool: its rows, the next block's (nullptr after the last), its first token, and
 // how many of its tokens are in the context.
+template <typename T>
 struct BlockRows {
-  const float* rows;
-  const float* next;
+  const T* rows;
+  const T* next;
   int64_t first, count;
 };
 
-inline BlockRows block_rows(const float* base, const int32_t* table, int64_t b, int64_t block_size,
-                            int64_t block_stride, int64_t context_len) {
+template <typename T>
+inline BlockRows<T> block_rows(const T* base, const int32_t* table, int64_t b, int64_t block_size,
+                               int64_t block_stride, int64_t context_len) {
   const int64_t first = b * block_size;
-  const float* next = first + block_size < context_len ? base + table[b + 1] * block_stride : nullptr;
+  const T* next = first + block_size < context_len ? base + table[b + 1] * block_stride : nullptr;
   return {base + table[b] * block_stride, next, first, std::min(block_size, context_len - first)};
 }
 
@@ -75,10 +94,10 @@ inline BlockRows block_rows(const float* base, const int32_t* table, int64_t b, 
 // the next is prefetched), each K/V row once for all the q heads sharing it (GQA).
 // kChunks = head_dim / Vec::size(), kGroup = q heads per kv head.
 //   scores: [num_kv_heads, kGroup, context_len]    acc: [num_kv_heads * kGroup, head_dim]
-template <int64_t kChunks, int64_t kGroup>
-void attend_seq(const float* q_seq, int64_t q_head_stride, int64_t num_kv_heads, const float* k_ptr,
-                const float* v_ptr, const int32_t* table, int64_t block_size, int64_t block_stride,
-                int64_t token_stride, int64_t context_len, float scale, float* scores, float* acc, float* out_seq) {
+template <typename T, int64_t kChunks, int64_t kGroup>
+void attend_seq(const T* q_seq, int64_t q_head_stride, int64_t num_kv_heads, const T* k_ptr, const T* v_ptr,
+                const int32_t* table, int64_t block_size, int64_t block_stride, int64_t token_stride,
+                int64_t context_len, float scale, float* scores, float* acc, T* out_seq) {
   constexpr int64_t kDim = kChunks * Vec::size();
   const int64_t num_blocks = (context_len + block_size - 1) / block_size;
   for (int64_t b = 0; b < num_blocks; ++b) {  // scores[h, g, t] = scale * q_hg . k_th
@@ -87,13 +106,13 @@ void attend_seq(const float* q_seq, int64_t q_head_stride, int64_t num_kv_heads,
       Vec q[kGroup][kChunks];
       for (int64_t g = 0; g < kGroup; ++g)
         for (int64_t c = 0; c < kChunks; ++c)
-          q[g][c] = Vec::loadu(q_seq + (h * kGroup + g) * q_head_stride + c * Vec::size());
+          q[g][c] = load_chunk(q_seq + (h * kGroup + g) * q_head_stride + c * Vec::size());
       float* head_scores = scores + h * kGroup * context_len + first;
       for (int64_t t = 0; t < n; ++t) {
-        const float* k = block + t * token_stride + h * kDim;
+        const T* k = block + t * token_stride + h * kDim;
         if (next) prefetch_row<kDim>(next + t * token_stride + h * kDim);
         Vec krow[kChunks];
-        for (int64_t c = 0; c < kChunks; ++c) krow[c] = Vec::loadu(k + c * Vec::size());
+        for (int64_t c = 0; c < kChunks; ++c) krow[c] = load_chunk(k + c * Vec::size());
         for (int64_t g = 0; g < kGroup; ++g) {
           Vec dot = q[g][0] * krow[0];
           for (int64_t c = 1; c < kChunks; ++c) dot = at::vec::fmadd(q[g][c], krow[c], dot);
@@ -114,10 +133,10 @@ void attend_seq(const float* q_seq, int64_t q_head_stride, int64_t num_kv_heads,
         for (int64_t c = 0; c < kChunks; ++c) out[g][c] = Vec::loadu(acc + (h * kGroup + g) * kDim + c * Vec::size());
       const float* head_scores = scores + h * kGroup * context_len + first;
       for (int64_t t = 0; t < n; ++t) {
-        const float* v = block + t * token_stride + h * kDim;
+        const T* v = block + t * token_stride + h * kDim;
         if (next) prefetch_row<kDim>(next + t * token_stride + h * kDim);
         Vec vrow[kChunks];
-        for (int64_t c = 0; c < kChunks; ++c) vrow[c] = Vec::loadu(v + c * Vec::size());
+        for (int64_t c = 0; c < kChunks; ++c) vrow[c] = load_chunk(v + c * Vec::size());
         for (int64_t g = 0; g < kGroup; ++g) {
           const Vec p(head_scores[g * context_len + t]);
           for (int64_t c = 0; c < kChunks; ++c) out[g][c] = at::vec::fmadd(p, vrow[c], out[g][c]);
@@ -129,8 +148,14 @@ void attend_seq(const float* q_seq, int64_t q_head_stride, int64_t num_kv_heads,
   }
   for (int64_t r = 0; r < rows; ++r) {
     const Vec inv_r(inv[r]);
-    float* o = out_seq + r * kDim;
-    for (int64_t c = 0; c < kChunks; ++c) (Vec::loadu(acc + r * kDim + c * Vec::size()) * inv_r).store(o + c * Vec::size());
+    float* a = acc + r * kDim;
+    for (int64_t c = 0; c < kChunks; ++c) (Vec::loadu(a + c * Vec::size()) * inv_r).store(a + c * Vec::size());
+    T* o = out_seq + r * kDim;
+    if constexpr (std::is_same_v<T, float>) {
+      std::copy(a, a + kDim, o);
+    } else {
+      for (int64_t d = 0; d < kDim; ++d) o[d] = static_cast<T>(a[d]);
+    }
   }
 }
 
@@ -160,54 +185,34 @@ void attend_any(const float* q_rows, int64_t q_head_stride, int64_t group, int64
 
 }  // namespace
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1, "q: [S, Hq, D] float32");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "caches: contiguous [num_blocks, block_size, Hkv, D] float32");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
-                  context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
-              "block_tables, context_lens: contiguous int32");
+namespace {
+
+template <typename T>
+void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* tables,
+                const int32_t* lens, int64_t max_blocks, float scale, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head_dim / kv heads mismatch");
-  TORCH_CHECK(block_tables.size(0) == num_seqs && context_lens.size(0) == num_seqs, "one table per sequence");
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
   const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
-
-  auto out = at::empty({num_seqs, num_heads, head_dim}, q.options());
-  const float* q_ptr = q.data_ptr<float>();
-  const float* k_ptr = k_cache.data_ptr<float>();
-  const float* v_ptr = v_cache.data_ptr<float>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = context_lens.data_ptr<int32_t>();
-  float* out_ptr = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size, "context_lens[", s, "] out of range");
-    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b) {
-      const int32_t block = tables[s * max_blocks + b];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", s, ", ", b, "] = ", block, " out of range");
-    }
-  }
-
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
   const int64_t chunks = head_dim % Vec::size() == 0 ? head_dim / Vec::size() : 0;
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(num_heads * head_dim);  // [Hkv, group, context_len], [Hq, D]
     for (int64_t s = begin; s < end; ++s) {
       const int64_t context_len = lens[s];
       scores.resize(num_heads * context_len);
-      const float* q_seq = q_ptr + s * q_seq_stride;
+      const T* q_seq = q_ptr + s * q_seq_stride;
       const int32_t* table = tables + s * max_blocks;
-      float* out_seq = out_ptr + s * num_heads * head_dim;
+      T* out_seq = out_ptr + s * num_heads * head_dim;
       bool done = true;
 #define LORAPLEX_ATTEND(kc, kg)                                                                                   \
   if (chunks == kc && group == kg)                                                                                \
-    attend_seq<kc, kg>(q_seq, q_head_stride, num_kv_heads, k_ptr, v_ptr, table, block_size, block_stride,         \
-                       token_stride, context_len, fscale, scores.data(), acc.data(), out_seq);                    \
+    attend_seq<T, kc, kg>(q_seq, q_head_stride, num_kv_heads, k_ptr, v_ptr, table, block_size, block_stride,      \
+                          token_stride, context_len, scale, scores.data(), acc.data(), out_seq);                  \
   else
       LORAPLEX_ATTEND(1, 1) LORAPLEX_ATTEND(1, 2) LORAPLEX_ATTEND(1, 3) LORAPLEX_ATTEND(1, 4)
       LORAPLEX_ATTEND(1, 5) LORAPLEX_ATTEND(1, 6) LORAPLEX_ATTEND(1, 7) LORAPLEX_ATTEND(1, 8)
@@ -221,12 +226,53 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       LORAPLEX_ATTEND(16, 5) LORAPLEX_ATTEND(16, 6) LORAPLEX_ATTEND(16, 7) LORAPLEX_ATTEND(16, 8)
       done = false;
 #undef LORAPLEX_ATTEND
-      for (int64_t h = 0; !done && h < num_kv_heads; ++h)
-        attend_any(q_seq + h * group * q_head_stride, q_head_stride, group, head_dim, k_ptr + h * head_dim,
-                   v_ptr + h * head_dim, table, block_size, block_stride, token_stride, context_len, fscale,
-                   scores.data(), out_seq + h * group * head_dim);
+      if constexpr (std::is_same_v<T, float>) {
+        for (int64_t h = 0; !done && h < num_kv_heads; ++h)
+          attend_any(q_seq + h * group * q_head_stride, q_head_stride, group, head_dim, k_ptr + h * head_dim,
+                     v_ptr + h * head_dim, table, block_size, block_stride, token_stride, context_len, scale,
+                     scores.data(), out_seq + h * group * head_dim);
+      } else {
+        TORCH_CHECK(done, "bfloat16 decode attention needs head_dim a multiple of ", Vec::size(),
+                    " and at most 8 q heads per kv head");
+      }
     }
   });
+}
+
+}  // namespace
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(q.dim() == 3 && (dtype == at::kFloat || dtype == at::kBFloat16) && q.stride(2) == 1,
+              "q: [S, Hq, D] float32 or bfloat16");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == dtype &&
+                  v_cache.scalar_type() == dtype,
+              "caches: contiguous [num_blocks, block_size, Hkv, D] of q's dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
+              "block_tables, context_lens: contiguous int32");
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head_dim / kv heads mismatch");
+  TORCH_CHECK(block_tables.size(0) == num_seqs && context_lens.size(0) == num_seqs, "one table per sequence");
+  const int64_t max_blocks = block_tables.size(1);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size, "context_lens[", s, "] out of range");
+    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b) {
+      const int32_t block = tables[s * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", s, ", ", b, "] = ", block, " out of range");
+    }
+  }
+  auto out = at::empty({num_seqs, num_heads, head_dim}, q.options());
+  const float fscale = static_cast<float>(scale);
+  if (dtype == at::kFloat)
+    decode_all<float>(q, k_cache, v_cache, tables, lens, max_blocks, fscale, out);
+  else
+    decode_all<c10::BFloat16>(q, k_cache, v_cache, tables, lens, max_blocks, fscale, out);
   return out;
 }
 
