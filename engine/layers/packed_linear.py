@@ -1,8 +1,9 @@
-"""PackedLinear: an nn.Linear whose weight is prepacked for oneDNN, for fp32 on x86 CPUs.
+"""PackedLinear: an nn.Linear whose weight is prepacked for oneDNN, for fp32 on x86 CPUs (and bf16 on those with
+native bf16 matmuls).
 
 Same math as `F.linear` (only the summation order differs), but oneDNN's blocked weight layout makes the
 small-batch GEMMs of decode 1.3-2.5x faster on CPU (the LM head most of all). The runner swaps these in
-after loading, as gpt-fast swaps in its quantized linears; CUDA and half precision keep nn.Linear.
+after loading, as gpt-fast swaps in its quantized linears; CUDA and other half precision keep nn.Linear.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import logging
 
 import torch
 from torch import nn
+
+from engine.cpu_features import half_dtype_support
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +34,10 @@ class PackedLinear(nn.Module):
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """fp32 on a CPU, and bf16 where the CPU has native bf16 matmuls (elsewhere oneDNN would emulate them)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and half_dtype_support("bfloat16")[0])
 
 
 def pack_linears(model: nn.Module) -> int:
