@@ -74,6 +74,15 @@ inline void prefetch_row(const T* row) {
 
 // Block b of a sequence in the pool: its rows, the next block's (nullptr after the last), its first token, and
 // how many of its tokens are in the context.
+// Row t of kv head h in a block, widened into `row`, while the same row of the next block (if any) is asked for.
+template <int64_t kChunks, typename T>
+inline void load_row(const T* block, const T* next, int64_t t, int64_t token_stride, int64_t h, Vec (&row)[kChunks]) {
+  constexpr int64_t kDim = kChunks * Vec::size();
+  const int64_t offset = t * token_stride + h * kDim;
+  if (next) prefetch_row<kDim>(next + offset);
+  for (int64_t c = 0; c < kChunks; ++c) row[c] = load_chunk(block + offset + c * Vec::size());
+}
+
 template <typename T>
 struct BlockRows {
   const T* rows;
@@ -109,10 +118,8 @@ void attend_seq(const T* q_seq, int64_t q_head_stride, int64_t num_kv_heads, con
           q[g][c] = load_chunk(q_seq + (h * kGroup + g) * q_head_stride + c * Vec::size());
       float* head_scores = scores + h * kGroup * context_len + first;
       for (int64_t t = 0; t < n; ++t) {
-        const T* k = block + t * token_stride + h * kDim;
-        if (next) prefetch_row<kDim>(next + t * token_stride + h * kDim);
         Vec krow[kChunks];
-        for (int64_t c = 0; c < kChunks; ++c) krow[c] = load_chunk(k + c * Vec::size());
+        load_row(block, next, t, token_stride, h, krow);
         for (int64_t g = 0; g < kGroup; ++g) {
           Vec dot = q[g][0] * krow[0];
           for (int64_t c = 1; c < kChunks; ++c) dot = at::vec::fmadd(q[g][c], krow[c], dot);
@@ -133,10 +140,8 @@ void attend_seq(const T* q_seq, int64_t q_head_stride, int64_t num_kv_heads, con
         for (int64_t c = 0; c < kChunks; ++c) out[g][c] = Vec::loadu(acc + (h * kGroup + g) * kDim + c * Vec::size());
       const float* head_scores = scores + h * kGroup * context_len + first;
       for (int64_t t = 0; t < n; ++t) {
-        const T* v = block + t * token_stride + h * kDim;
-        if (next) prefetch_row<kDim>(next + t * token_stride + h * kDim);
         Vec vrow[kChunks];
-        for (int64_t c = 0; c < kChunks; ++c) vrow[c] = load_chunk(v + c * Vec::size());
+        load_row(block, next, t, token_stride, h, vrow);
         for (int64_t g = 0; g < kGroup; ++g) {
           const Vec p(head_scores[g * context_len + t]);
           for (int64_t c = 0; c < kChunks; ++c) out[g][c] = at::vec::fmadd(p, vrow[c], out[g][c]);
