@@ -213,10 +213,9 @@ def _checked_weights(
         if rank != config.rank_for(key):
             raise fail(f"lora_A has rank {rank}, but adapter_config.json gives r={config.rank_for(key)} for it")
         weights[layer, module] = a, b, _checked_scaling(config, key, label)
-    keys = sorted(pairs.items())
-    bad = first_nonfinite([t for _, (a, b, _) in sorted(weights.items()) for t in (a, b)])
+    bad = first_nonfinite([t for a, b, _ in weights.values() for t in (a, b)])  # weights: in module order
     if bad is not None:
-        key, ab = keys[bad // 2][1], ("lora_A", "lora_B")[bad % 2]
+        key, ab = pairs[list(weights)[bad // 2]], ("lora_A", "lora_B")[bad % 2]
         raise AdapterError(f"adapter {label!r}: {key}.{ab} holds NaN or Inf values")
     return weights
 
