@@ -1,7 +1,9 @@
 """The fused C++ layer ops (kernels/fused) against the torch ops they replace, and the layers that use them.
 
 Each op is compared on odd sizes (vector tails), strided rows and many tokens (several OpenMP tasks); the layers
-(RMSNorm, the rotary helper, the MLP) are compared with their torch path by turning the native ops off."""
+(RMSNorm, the rotary helper, the MLP) are compared with their torch path by turning the native ops off. In
+bfloat16 the ops round where torch's bf16 ops round, so they must give torch's bf16 values (but for a rare last-bit
+difference where the fp32 sums are ordered differently)."""
 
 from __future__ import annotations
 
@@ -75,6 +77,47 @@ def test_rotary_refuses_positions_past_its_table(require_cpu_kernel):
         require_cpu_kernel.rotary_neox_cpu(torch.zeros(2, 16), torch.tensor([3, 16]), table, 2)
 
 
+def assert_same_bf16(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Both bf16; within one bf16 step everywhere and bit for bit almost everywhere."""
+    assert got.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=1e-6)
+    assert (got == expected).float().mean().item() >= 0.999
+
+
+def test_bf16_ops_round_where_torch_rounds(require_cpu_kernel):
+    bf16, hidden, inter = torch.bfloat16, 577, 1409
+    x, residual = rows(37, hidden, 700, seed=1).to(bf16), rows(37, hidden, seed=2).to(bf16)
+    weight = (torch.rand(hidden) + 0.5).to(bf16)
+
+    def torch_norm(t):  # RMSNorm's torch path in bf16 (as HF Llama): normalized in fp32, rounded, times weight
+        return weight * F.rms_norm(t.float(), (hidden,), eps=1e-6).to(bf16)
+
+    out = torch.empty(37, hidden, dtype=bf16)
+    require_cpu_kernel.rms_norm_cpu(out, x, weight, 1e-6)
+    assert_same_bf16(out, torch_norm(x))
+    x_in_place, summed = x.clone(), residual.clone()
+    require_cpu_kernel.add_rms_norm_cpu(x_in_place, summed, weight, 1e-6)
+    assert torch.equal(summed, x + residual)
+    assert_same_bf16(x_in_place, torch_norm(x + residual))
+    gate_up = (rows(41, 2 * inter, 2 * inter + 3) * 6).to(bf16)
+    out = torch.empty(41, inter, dtype=bf16)
+    require_cpu_kernel.silu_and_mul_cpu(out, gate_up)
+    assert_same_bf16(out, F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+    step = RotaryEmbedding(64, 4096, 10000.0, None)(torch.arange(11) * 97)
+    qk = rows(11, 8 * 64, 8 * 64 + 16).to(bf16)
+    expected = apply_rotary(qk[:, : 6 * 64].reshape(-1, 6, 64), step.cos, step.sin)
+    require_cpu_kernel.rotary_neox_cpu(qk, step.positions, step.table, 6)
+    assert_same_bf16(qk[:, : 6 * 64].reshape(-1, 6, 64), expected)
+
+
+def test_ops_refuse_mixed_dtypes(require_cpu_kernel):
+    x, weight = torch.randn(4, 32, dtype=torch.bfloat16), torch.ones(32)
+    with pytest.raises(RuntimeError, match="weight"):
+        require_cpu_kernel.rms_norm_cpu(torch.empty_like(x), x, weight, 1e-6)
+    with pytest.raises(RuntimeError, match="out"):
+        require_cpu_kernel.silu_and_mul_cpu(torch.empty(4, 16), x)
+
+
 @pytest.fixture
 def torch_only(monkeypatch):
     """Turns the fused ops off in the layers: their torch path, the reference."""
@@ -86,14 +129,16 @@ def torch_only(monkeypatch):
     return off
 
 
-def test_layers_give_the_same_results_fused_and_unfused(torch_only, require_cpu_kernel):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_give_the_same_results_fused_and_unfused(dtype, torch_only, require_cpu_kernel):
     arch = SimpleNamespace(hidden_size=96, intermediate_size=200)  # what MLP reads of a ModelArch
     torch.manual_seed(0)
-    mlp = llama_module.MLP(arch)
+    mlp = llama_module.MLP(arch).to(dtype)
     norm = RMSNorm(96, 1e-6)
     norm.weight.data = torch.rand(96) + 0.5
+    norm.to(dtype)
     rope = RotaryEmbedding(16, 128, 10000.0, None)(torch.arange(9) * 13)
-    x, residual, qkv = torch.randn(9, 96), torch.randn(9, 96), torch.randn(9, 160)
+    x, residual, qkv = (torch.randn(9, width).to(dtype) for width in (96, 96, 160))
 
     def run() -> list[torch.Tensor]:
         with torch.inference_mode():
@@ -103,4 +148,7 @@ def test_layers_give_the_same_results_fused_and_unfused(torch_only, require_cpu_
     fused = run()
     torch_only()
     for got, expected in zip(fused, run(), strict=True):
-        torch.testing.assert_close(got, expected, atol=ATOL, rtol=1e-5)
+        if dtype == torch.bfloat16:
+            assert_same_bf16(got, expected)
+        else:
+            torch.testing.assert_close(got, expected, atol=ATOL, rtol=1e-5)

@@ -1,4 +1,5 @@
-"""RMSNorm, computed in fp32 as Llama does, with an optional fused residual add (one C++ pass on CPU float32)."""
+"""RMSNorm, computed in fp32 as Llama does, with an optional fused residual add (one C++ pass on CPU, float32 and
+bfloat16)."""
 
 from __future__ import annotations
 
@@ -15,22 +16,26 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one kernel: (x * rstd) * weight
-            native = fused_ops(x) if x.dim() == 2 else None
-            if native is None:
-                return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
+        native = self._native(x)
+        if native is not None:  # one kernel: round(x * rstd) * weight
             out = torch.empty_like(x, memory_format=torch.contiguous_format)  # [T, H]
             native.rms_norm_cpu(out, x, self.weight, self.eps)
             return out
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         return self.weight * normed
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual). On CPU float32 both are written in place, into x and residual: the
-        callers pass a layer's fresh output and the running residual, which nothing else reads."""
-        native = fused_ops(x) if x.dim() == 2 and self.weight.dtype == torch.float32 else None
-        if native is None or residual.dtype != torch.float32:
+        """(norm(x + residual), x + residual). On CPU (float32, bfloat16) both are written in place, into x and
+        residual: the callers pass a layer's fresh output and the running residual, which nothing else reads."""
+        native = self._native(x) if residual.dtype == x.dtype else None
+        if native is None:
             residual = x + residual
             return self(residual), residual
         native.add_rms_norm_cpu(x, residual, self.weight, self.eps)
         return x, residual
+
+    def _native(self, x: torch.Tensor):
+        """The C++ ops where they take x ([T, H] rows, the weight of x's dtype), else None."""
+        return fused_ops(x) if x.dim() == 2 and self.weight.dtype == x.dtype else None

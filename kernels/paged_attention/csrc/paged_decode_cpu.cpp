@@ -12,7 +12,6 @@
 #include "cpu_vec.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional_bfloat16.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -25,6 +24,8 @@
 
 namespace {
 
+using loraplex::load_f32;
+using loraplex::store_f32;
 using loraplex::Vec;
 
 // Softmax numerators of row[0 .. n) in place (exp(x - max)); returns their sum.
@@ -52,18 +53,6 @@ inline const float* token_row(const float* base, const int32_t* table, int64_t t
   return base + table[t / block_size] * block_stride + (t % block_size) * token_stride;
 }
 
-// Vec::size() elements of a row as fp32 (bf16 widened).
-template <typename T>
-inline Vec load_chunk(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(p);
-  } else {
-    Vec out;
-    at::vec::load_to_float(p, out);
-    return out;
-  }
-}
-
 // Asks for a row of the next block while the same row of this one is used: the blocks lie anywhere in the pool,
 // so the hardware prefetcher, which follows strides, loses the thread at each block's end. Spread over the block's
 // rows, the requests stay a steady stream (a whole block asked for at once queued behind itself).
@@ -80,7 +69,7 @@ inline void load_row(const T* block, const T* next, int64_t t, int64_t token_str
   constexpr int64_t kDim = kChunks * Vec::size();
   const int64_t offset = t * token_stride + h * kDim;
   if (next) prefetch_row<kDim>(next + offset);
-  for (int64_t c = 0; c < kChunks; ++c) row[c] = load_chunk(block + offset + c * Vec::size());
+  for (int64_t c = 0; c < kChunks; ++c) row[c] = load_f32(block + offset + c * Vec::size());
 }
 
 template <typename T>
@@ -115,7 +104,7 @@ void attend_seq(const T* q_seq, int64_t q_head_stride, int64_t num_kv_heads, con
       Vec q[kGroup][kChunks];
       for (int64_t g = 0; g < kGroup; ++g)
         for (int64_t c = 0; c < kChunks; ++c)
-          q[g][c] = load_chunk(q_seq + (h * kGroup + g) * q_head_stride + c * Vec::size());
+          q[g][c] = load_f32(q_seq + (h * kGroup + g) * q_head_stride + c * Vec::size());
       float* head_scores = scores + h * kGroup * context_len + first;
       for (int64_t t = 0; t < n; ++t) {
         Vec krow[kChunks];
@@ -153,14 +142,9 @@ void attend_seq(const T* q_seq, int64_t q_head_stride, int64_t num_kv_heads, con
   }
   for (int64_t r = 0; r < rows; ++r) {
     const Vec inv_r(inv[r]);
-    float* a = acc + r * kDim;
-    for (int64_t c = 0; c < kChunks; ++c) (Vec::loadu(a + c * Vec::size()) * inv_r).store(a + c * Vec::size());
+    const float* a = acc + r * kDim;
     T* o = out_seq + r * kDim;
-    if constexpr (std::is_same_v<T, float>) {
-      std::copy(a, a + kDim, o);
-    } else {
-      for (int64_t d = 0; d < kDim; ++d) o[d] = static_cast<T>(a[d]);
-    }
+    for (int64_t c = 0; c < kChunks; ++c) store_f32(o + c * Vec::size(), Vec::loadu(a + c * Vec::size()) * inv_r);
   }
 }
 
