@@ -18,8 +18,8 @@ from engine.fairness import POLICIES
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# "auto": triton on CUDA; on CPU, cpu (the C++ kernels of kernels/cpu_native.py) for float32 where they build,
-# else torch
+# "auto": triton on CUDA; on CPU, cpu (the C++ kernels of kernels/cpu_native.py) for float32 and bfloat16 where
+# they build, else torch
 BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
@@ -106,8 +106,8 @@ class EngineConfig:
             )
 
     def _cpu_backend(self) -> str:
-        """cpu where the C++ kernels build (once per machine) and the dtype is float32 or bfloat16 (in bf16 only
-        the decode attention has a C++ kernel; LoRA and the fused layer ops take their torch forms), else torch."""
+        """cpu where the C++ kernels build (once per machine) and the dtype is float32 or bfloat16 (computed in fp32
+        either way), else torch."""
         if self.dtype not in ("float32", "bfloat16"):
             return "torch"
         from kernels import cpu_native

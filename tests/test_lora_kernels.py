@@ -350,6 +350,29 @@ def test_half_precision(backend, dtype, popularity):
     assert_rows(y, case.expected_y, case.has_adapter, tol={torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype])
 
 
+@pytest.mark.parametrize("popularity", ["uniform", "segments"])
+def test_cpu_ops_run_bfloat16_in_cpp_at_least_as_close_as_torch(popularity, require_cpu_kernel, monkeypatch):
+    """bf16 through the C++ ops (torch's ops turned off: nothing may fall back to them): within bf16 tolerance of
+    the fp32 reference, and no further from it than torch's bf16 ops (z stays fp32, y is rounded once)."""
+    import kernels.lora.cpu_ops as cpu_module
+
+    case = make_case(64, 8, 16, popularity, "qkv", dtype=torch.bfloat16)
+    reference = torch_ops.add_lora
+    y_torch = case.y.clone()
+    reference(y_torch, case.x, case.lora_a, case.lora_b, case.meta, case.output_slices)
+    monkeypatch.setattr(cpu_module, "torch_ops", None)  # a fall back would raise AttributeError
+    check_ops(get_lora_ops("cpu"), case, tol=3e-2)
+    y_cpu = case.y.clone()
+    get_lora_ops("cpu").add_lora(y_cpu, case.x, case.lora_a, case.lora_b, case.meta, case.output_slices)
+    assert y_cpu.dtype == torch.bfloat16
+    rows_with = case.has_adapter
+
+    def error(y: Tensor) -> float:
+        return (y[rows_with].float() - case.expected_y[rows_with]).abs().mean().item()
+
+    assert error(y_cpu) <= error(y_torch)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 def test_ops_reject_mismatched_shapes(backend):
     ops = get_lora_ops(backend)

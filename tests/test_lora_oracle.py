@@ -117,6 +117,29 @@ def test_mixed_batch_last_token_logits_match_peft_adapter_names(setup):
         assert out.outputs[0].token_ids[0] == int(expected[row].argmax())
 
 
+def test_bfloat16_lora_on_cpu_stays_close_to_peft_fp32(setup, cpu_kernel):
+    """bf16 weights, K/V and LoRA (on CPU the C++ kernels where they build): each adapter's prefill logits within
+    bf16 error of peft's fp32 ones, and much nearer them than to the base model's (the delta is applied)."""
+    _, peft_model, fp32_llm, loras = setup
+    llm = LLM(
+        model=fp32_llm.engine.config.model,
+        device="cpu",
+        dtype="bfloat16",
+        num_kv_blocks=64,
+        enable_lora=True,
+        max_loras=4,
+        max_lora_rank=16,
+    )
+    assert llm.engine.config.lora_backend == ("cpu" if cpu_kernel is not None else "torch")
+    token_ids = prompts(llm.engine.runner.arch.vocab_size)[-3]
+    base = peft_logits(peft_model, token_ids, None)
+    for name in ADAPTERS:
+        expected = peft_logits(peft_model, token_ids, name)
+        error = (our_logits(llm, token_ids, loras[name]) - expected).abs().max()
+        assert error < 0.1 * expected.abs().max(), name  # as bf16 is from fp32 without adapters (~5% here)
+        assert error < 0.25 * (expected - base).abs().max(), name
+
+
 @pytest.mark.gpu
 def test_cuda_triton_lora_mixed_batch_matches_peft(setup):
     _, peft_model, cpu_llm, loras = setup

@@ -1,6 +1,6 @@
 """Batched multi-LoRA on CPU: shrink and expand in C++ (kernels/cpu_native.py), one call per op whatever the mix of
-adapters in the batch, for float32, walking the tokens in the meta's adapter order; add_lora runs both in one call
-(what a LoRA layer makes); anything else (or no compiler) runs torch_ops.
+adapters in the batch, for float32 and bfloat16 (computed in fp32), walking the tokens in the meta's adapter order;
+add_lora runs both in one call (what a LoRA layer makes); anything else (or no compiler) runs torch_ops.
 
 Expand reads lora_b transposed, [N, R, H_out], so that each token adds R contiguous scaled rows: the transpose is
 made once and kept while the stacked weights are unchanged (their version counter: activating an adapter writes
@@ -23,8 +23,12 @@ _transposed: dict[int, tuple[weakref.ref, int, Tensor]] = {}
 
 
 def _native(*tensors: Tensor):
+    """The C++ ops where they take these tensors (on the CPU, all float32 or all bfloat16), else None."""
     native = cpu_native.load()
-    if native is None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+    dtype = tensors[0].dtype
+    if native is None or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
         return None
     return native
 

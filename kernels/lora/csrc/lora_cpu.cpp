@@ -12,7 +12,8 @@
 //   lora_expand_cpu(y [T, H_out], z [T, S*R], lora_bt [N, R, H_out], idx [T], order [L], row_ranks [N]?,
 //                   slice_bounds [S+1])
 //       y[t, b_s:b_s+1] += z[t, s*R:(s+1)*R] @ lora_bt[idx[t], :, b_s:b_s+1]  for each slice s, t in order
-//   float32; rows may be strided (unit stride inside a row); lora_a / lora_bt contiguous; idx, order int64;
+//   float32 or bfloat16 (x, y, z and the weights all one dtype; computed in fp32, lora_add's z kept in fp32, y
+//   rounded once); rows may be strided (unit stride inside a row); lora_a / lora_bt contiguous; idx, order int64;
 //   order: distinct tokens with idx >= 0, grouped by idx (any order is correct; grouped is fast).
 //   row_ranks (optional, int64): the rank r <= R of each row, whose A rows and B columns past r in each slice are
 //   zero; shrink writes 0 there without reading A, expand reads only z's first r of each slice. Adapters of rank 8
@@ -30,6 +31,9 @@
 namespace {
 
 using loraplex::check_rows;
+using loraplex::dispatch_float_bf16;
+using loraplex::load_f32;
+using loraplex::store_f32;
 using loraplex::Vec;
 constexpr int64_t kTokensPerTask = 4;
 constexpr int kMaxRun = 4;  // tokens of one adapter that go together
@@ -75,53 +79,56 @@ inline int run_length(const int64_t* rows, const int64_t* order, int64_t p, int6
 
 // out_k[c] = a[c] . x_k for the N tokens k sharing the weights a [width, h_in]; columns past `used` of each slice
 // of R are zero rows of a: 0 without reading them.
-template <int N>
-void shrink_run(const float* a, const float* const* x, float* const* out, int64_t width, int64_t h_in, int64_t rank,
+template <int N, typename T, typename Z>
+void shrink_run(const T* a, const T* const* x, Z* const* out, int64_t width, int64_t h_in, int64_t rank,
                 int64_t used) {
   for (int64_t c = 0; c < width; ++c) {
     if (c % rank >= used) {
-      for (int k = 0; k < N; ++k) out[k][c] = 0.f;
+      for (int k = 0; k < N; ++k) out[k][c] = Z(0.f);
       continue;
     }
-    const float* ac = a + c * h_in;
+    const T* ac = a + c * h_in;
     Vec acc[N];
     for (int k = 0; k < N; ++k) acc[k] = Vec(0.f);
     int64_t i = 0;
     for (; i + Vec::size() <= h_in; i += Vec::size()) {
-      const Vec va = Vec::loadu(ac + i);
-      for (int k = 0; k < N; ++k) acc[k] = at::vec::fmadd(va, Vec::loadu(x[k] + i), acc[k]);
+      const Vec va = load_f32(ac + i);
+      for (int k = 0; k < N; ++k) acc[k] = at::vec::fmadd(va, load_f32(x[k] + i), acc[k]);
     }
     for (int k = 0; k < N; ++k) {
       float sum = acc[k].reduce_add();
-      for (int64_t j = i; j < h_in; ++j) sum += ac[j] * x[k][j];
-      out[k][c] = sum;
+      for (int64_t j = i; j < h_in; ++j) sum += static_cast<float>(ac[j]) * static_cast<float>(x[k][j]);
+      out[k][c] = static_cast<Z>(sum);
     }
   }
 }
 
 // y_k[lo:lo+len] += sum_r z_k[r] * bt[r, lo:lo+len] for the N tokens k sharing bt [rank, h_out]; each chunk of
 // y_k is read and written once.
-template <int N>
-void expand_run(const float* bt, int64_t h_out, int64_t rank, const float* const* z, float* const* y, int64_t lo,
-                int64_t len) {
+template <int N, typename T, typename Z>
+void expand_run(const T* bt, int64_t h_out, int64_t rank, const Z* const* z, T* const* y, int64_t lo, int64_t len) {
   int64_t j = lo;
   for (; j + Vec::size() <= lo + len; j += Vec::size()) {
     Vec acc[N];
-    for (int k = 0; k < N; ++k) acc[k] = Vec::loadu(y[k] + j);
+    for (int k = 0; k < N; ++k) acc[k] = load_f32(y[k] + j);
     for (int64_t r = 0; r < rank; ++r) {
-      const Vec vb = Vec::loadu(bt + r * h_out + j);
-      for (int k = 0; k < N; ++k) acc[k] = at::vec::fmadd(Vec(z[k][r]), vb, acc[k]);
+      const Vec vb = load_f32(bt + r * h_out + j);
+      for (int k = 0; k < N; ++k) acc[k] = at::vec::fmadd(Vec(static_cast<float>(z[k][r])), vb, acc[k]);
     }
-    for (int k = 0; k < N; ++k) acc[k].store(y[k] + j);
+    for (int k = 0; k < N; ++k) store_f32(y[k] + j, acc[k]);
   }
   for (; j < lo + len; ++j)
-    for (int k = 0; k < N; ++k)
-      for (int64_t r = 0; r < rank; ++r) y[k][j] += z[k][r] * bt[r * h_out + j];
+    for (int k = 0; k < N; ++k) {
+      float sum = static_cast<float>(y[k][j]);
+      for (int64_t r = 0; r < rank; ++r) sum += static_cast<float>(z[k][r]) * static_cast<float>(bt[r * h_out + j]);
+      y[k][j] = static_cast<T>(sum);
+    }
 }
 
 // shrink_run<n>: the run's length as a template argument.
-void shrink_tokens(int n, const float* a, const float* const* x, float* const* out, int64_t width, int64_t h_in,
-                   int64_t rank, int64_t used) {
+template <typename T, typename Z>
+void shrink_tokens(int n, const T* a, const T* const* x, Z* const* out, int64_t width, int64_t h_in, int64_t rank,
+                   int64_t used) {
   switch (n) {
     case 4: shrink_run<4>(a, x, out, width, h_in, rank, used); break;
     case 3: shrink_run<3>(a, x, out, width, h_in, rank, used); break;
@@ -131,10 +138,11 @@ void shrink_tokens(int n, const float* a, const float* const* x, float* const* o
 }
 
 // expand_run<n> over every slice: z[k] is token k's whole z row [S*R], bounds the slices' [S+1] column bounds.
-void expand_tokens(int n, const float* bt, int64_t h_out, int64_t rank, int64_t used, const float* const* z,
-                   float* const* y, const std::vector<int64_t>& bounds) {
+template <typename T, typename Z>
+void expand_tokens(int n, const T* bt, int64_t h_out, int64_t rank, int64_t used, const Z* const* z, T* const* y,
+                   const std::vector<int64_t>& bounds) {
   for (size_t s = 0; s + 1 < bounds.size(); ++s) {
-    const float* zs[kMaxRun];
+    const Z* zs[kMaxRun];
     for (int k = 0; k < n; ++k) zs[k] = z[k] + s * rank;
     const int64_t lo = bounds[s], len = bounds[s + 1] - bounds[s];
     switch (n) {
@@ -146,8 +154,8 @@ void expand_tokens(int n, const float* bt, int64_t h_out, int64_t rank, int64_t 
   }
 }
 
-void check_stack(const at::Tensor& w, const char* what) {
-  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kFloat, what, " float32");
+void check_stack(const at::Tensor& w, const char* what, at::ScalarType dtype) {
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == dtype, what, " of x's dtype");
 }
 
 // The slices' column bounds [S+1] over h_out columns.
@@ -161,41 +169,46 @@ std::vector<int64_t> check_bounds(at::IntArrayRef slice_bounds, int64_t h_out) {
 
 void lora_shrink_cpu(at::Tensor out, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& idx,
                      const at::Tensor& order, const std::optional<at::Tensor>& row_ranks, int64_t rank) {
-  check_rows(out, "out");
-  check_rows(x, "x");
-  check_stack(lora_a, "lora_a: contiguous [N, S*R, H_in]");
+  const auto dtype = x.scalar_type();
+  check_rows(out, "out", dtype);
+  check_rows(x, "x", dtype);
+  check_stack(lora_a, "lora_a: contiguous [N, S*R, H_in]", dtype);
   const int64_t num_tokens = x.size(0), h_in = x.size(1), width = lora_a.size(1);
   TORCH_CHECK(lora_a.size(2) == h_in && out.size(0) == num_tokens && out.size(1) == width, "shape mismatch");
   const auto [rows, tokens] = check_index(idx, order, num_tokens, lora_a.size(0));
   if (rank <= 0) rank = width;  // one slice of unknown R: every column is used
   TORCH_CHECK(width % rank == 0, "lora_a's ", width, " rows are not slices of rank ", rank);
   const int64_t* ranks = check_ranks(row_ranks, lora_a.size(0), rank);
-  const float* x_ptr = x.data_ptr<float>();
-  const float* a_ptr = lora_a.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
   const int64_t x_stride = x.stride(0), out_stride = out.stride(0);
-  at::parallel_for(0, order.size(0), kTokensPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end;) {
-      const int n = run_length(rows, tokens, p, end);
-      const float* xs[kMaxRun];
-      float* outs[kMaxRun];
-      for (int k = 0; k < n; ++k) {
-        xs[k] = x_ptr + tokens[p + k] * x_stride;
-        outs[k] = out_ptr + tokens[p + k] * out_stride;
+  dispatch_float_bf16(dtype, "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* x_ptr = x.data_ptr<T>();
+    const T* a_ptr = lora_a.data_ptr<T>();
+    T* out_ptr = out.data_ptr<T>();
+    at::parallel_for(0, order.size(0), kTokensPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end;) {
+        const int n = run_length(rows, tokens, p, end);
+        const T* xs[kMaxRun];
+        T* outs[kMaxRun];
+        for (int k = 0; k < n; ++k) {
+          xs[k] = x_ptr + tokens[p + k] * x_stride;
+          outs[k] = out_ptr + tokens[p + k] * out_stride;
+        }
+        const int64_t row = rows[tokens[p]];
+        shrink_tokens(n, a_ptr + row * width * h_in, xs, outs, width, h_in, rank, ranks ? ranks[row] : rank);
+        p += n;
       }
-      const int64_t row = rows[tokens[p]];
-      shrink_tokens(n, a_ptr + row * width * h_in, xs, outs, width, h_in, rank, ranks ? ranks[row] : rank);
-      p += n;
-    }
+    });
   });
 }
 
 void lora_expand_cpu(at::Tensor y, const at::Tensor& z, const at::Tensor& lora_bt, const at::Tensor& idx,
                      const at::Tensor& order, const std::optional<at::Tensor>& row_ranks,
                      at::IntArrayRef slice_bounds) {
-  check_rows(y, "y");
-  check_rows(z, "z");
-  check_stack(lora_bt, "lora_bt: contiguous [N, R, H_out]");
+  const auto dtype = y.scalar_type();
+  check_rows(y, "y", dtype);
+  check_rows(z, "z", dtype);
+  check_stack(lora_bt, "lora_bt: contiguous [N, R, H_out]", dtype);
   const int64_t num_tokens = y.size(0), h_out = y.size(1), rank = lora_bt.size(1);
   const std::vector<int64_t> bounds = check_bounds(slice_bounds, h_out);
   TORCH_CHECK(lora_bt.size(2) == h_out && z.size(0) == num_tokens &&
@@ -203,35 +216,39 @@ void lora_expand_cpu(at::Tensor y, const at::Tensor& z, const at::Tensor& lora_b
               "shape mismatch");
   const auto [rows, tokens] = check_index(idx, order, num_tokens, lora_bt.size(0));
   const int64_t* ranks = check_ranks(row_ranks, lora_bt.size(0), rank);
-  const float* z_ptr = z.data_ptr<float>();
-  const float* b_ptr = lora_bt.data_ptr<float>();
-  float* y_ptr = y.data_ptr<float>();
   const int64_t z_stride = z.stride(0), y_stride = y.stride(0);
-  at::parallel_for(0, order.size(0), kTokensPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end;) {
-      const int n = run_length(rows, tokens, p, end);
-      const int64_t row = rows[tokens[p]];
-      const float* zs[kMaxRun];
-      float* ys[kMaxRun];
-      for (int k = 0; k < n; ++k) {
-        zs[k] = z_ptr + tokens[p + k] * z_stride;
-        ys[k] = y_ptr + tokens[p + k] * y_stride;
+  dispatch_float_bf16(dtype, "y", [&](auto tag) {
+    using T = decltype(tag);
+    const T* z_ptr = z.data_ptr<T>();
+    const T* b_ptr = lora_bt.data_ptr<T>();
+    T* y_ptr = y.data_ptr<T>();
+    at::parallel_for(0, order.size(0), kTokensPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end;) {
+        const int n = run_length(rows, tokens, p, end);
+        const int64_t row = rows[tokens[p]];
+        const T* zs[kMaxRun];
+        T* ys[kMaxRun];
+        for (int k = 0; k < n; ++k) {
+          zs[k] = z_ptr + tokens[p + k] * z_stride;
+          ys[k] = y_ptr + tokens[p + k] * y_stride;
+        }
+        expand_tokens(n, b_ptr + row * rank * h_out, h_out, rank, ranks ? ranks[row] : rank, zs, ys, bounds);
+        p += n;
       }
-      expand_tokens(n, b_ptr + row * rank * h_out, h_out, rank, ranks ? ranks[row] : rank, zs, ys, bounds);
-      p += n;
-    }
+    });
   });
 }
 
-// Both ops in one pass over each run of tokens: its z [n, S*R] stays in a small buffer of the thread's, so a LoRA
-// layer makes one call and allocates no intermediate tensor.
+// Both ops in one pass over each run of tokens: its z [n, S*R] stays in a small fp32 buffer of the thread's, so a
+// LoRA layer makes one call and allocates no intermediate tensor.
 void lora_add_cpu(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_bt,
                   const at::Tensor& idx, const at::Tensor& order, const std::optional<at::Tensor>& row_ranks,
                   at::IntArrayRef slice_bounds) {
-  check_rows(y, "y");
-  check_rows(x, "x");
-  check_stack(lora_a, "lora_a: contiguous [N, S*R, H_in]");
-  check_stack(lora_bt, "lora_bt: contiguous [N, R, H_out]");
+  const auto dtype = x.scalar_type();
+  check_rows(y, "y", dtype);
+  check_rows(x, "x", dtype);
+  check_stack(lora_a, "lora_a: contiguous [N, S*R, H_in]", dtype);
+  check_stack(lora_bt, "lora_bt: contiguous [N, R, H_out]", dtype);
   const int64_t num_tokens = x.size(0), h_in = x.size(1), h_out = y.size(1), rank = lora_bt.size(1);
   const std::vector<int64_t> bounds = check_bounds(slice_bounds, h_out);
   const int64_t width = static_cast<int64_t>(bounds.size() - 1) * rank;
@@ -240,28 +257,31 @@ void lora_add_cpu(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, c
               "shape mismatch: y [T, H_out], x [T, H_in], lora_a [N, S*R, H_in], lora_bt [N, R, H_out]");
   const auto [rows, tokens] = check_index(idx, order, num_tokens, lora_a.size(0));
   const int64_t* ranks = check_ranks(row_ranks, lora_a.size(0), rank);
-  const float* x_ptr = x.data_ptr<float>();
-  const float* a_ptr = lora_a.data_ptr<float>();
-  const float* b_ptr = lora_bt.data_ptr<float>();
-  float* y_ptr = y.data_ptr<float>();
   const int64_t x_stride = x.stride(0), y_stride = y.stride(0);
-  at::parallel_for(0, order.size(0), kTokensPerTask, [&](int64_t begin, int64_t end) {
-    std::vector<float> z(kMaxRun * width);  // [n, S*R] of the run in hand
-    for (int64_t p = begin; p < end;) {
-      const int n = run_length(rows, tokens, p, end);
-      const int64_t row = rows[tokens[p]], used = ranks ? ranks[row] : rank;
-      const float* xs[kMaxRun];
-      float* zs[kMaxRun];
-      float* ys[kMaxRun];
-      for (int k = 0; k < n; ++k) {
-        xs[k] = x_ptr + tokens[p + k] * x_stride;
-        zs[k] = z.data() + k * width;
-        ys[k] = y_ptr + tokens[p + k] * y_stride;
+  dispatch_float_bf16(dtype, "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* x_ptr = x.data_ptr<T>();
+    const T* a_ptr = lora_a.data_ptr<T>();
+    const T* b_ptr = lora_bt.data_ptr<T>();
+    T* y_ptr = y.data_ptr<T>();
+    at::parallel_for(0, order.size(0), kTokensPerTask, [&](int64_t begin, int64_t end) {
+      std::vector<float> z(kMaxRun * width);  // [n, S*R] of the run in hand
+      for (int64_t p = begin; p < end;) {
+        const int n = run_length(rows, tokens, p, end);
+        const int64_t row = rows[tokens[p]], used = ranks ? ranks[row] : rank;
+        const T* xs[kMaxRun];
+        float* zs[kMaxRun];
+        T* ys[kMaxRun];
+        for (int k = 0; k < n; ++k) {
+          xs[k] = x_ptr + tokens[p + k] * x_stride;
+          zs[k] = z.data() + k * width;
+          ys[k] = y_ptr + tokens[p + k] * y_stride;
+        }
+        shrink_tokens(n, a_ptr + row * width * h_in, xs, zs, width, h_in, rank, used);
+        expand_tokens(n, b_ptr + row * rank * h_out, h_out, rank, used, zs, ys, bounds);
+        p += n;
       }
-      shrink_tokens(n, a_ptr + row * width * h_in, xs, zs, width, h_in, rank, used);
-      expand_tokens(n, b_ptr + row * rank * h_out, h_out, rank, used, zs, ys, bounds);
-      p += n;
-    }
+    });
   });
 }
 
