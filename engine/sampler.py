@@ -7,7 +7,8 @@ Every step is batched across rows and every op works row by row; only seeded row
 one row at a time, from their own generator, so a seed gives the same tokens whatever else is batched.
 A row whose logits hold NaN or Inf (as the model gave them, or after penalties and temperature) gets no token:
 its token id is NON_FINITE, and the engine fails that request alone. Its checks are reductions the step makes
-anyway (the greedy max, the cumulative sum of the draw) plus one sum per row of the logits (`finite_rows`).
+anyway (the greedy max, the cumulative sum of the draw) plus one sum per row of the logits (`finite_rows`); plain
+greedy rows on CPU take both their argmax and their check from one C++ pass (kernels.sampling.greedy_tokens).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
+from kernels.sampling import greedy_tokens
 
 TOP_CANDIDATES = 256  # top-k / top-p look for their cut, and draw, among this many best tokens first
 NO_LOGPROB = math.nan  # SampledToken.logprob when the row did not ask for logprobs
@@ -59,11 +61,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         """logits: [B, V], row b sampled for rows[b]. The caller's logits are left untouched."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
-        finite = finite_rows(logits)  # [B]: the model gave the row finite logits
         ban_rows, ban_tokens = self._min_tokens_bans(rows, logits.shape[1])
         if not ban_rows and all(_is_plain_greedy(row.params) for row in rows):
-            token_ids = logits.argmax(dim=-1).masked_fill_(~finite, NON_FINITE)
+            token_ids = greedy_tokens(logits)  # [B], NON_FINITE (-1) for a row with NaN or Inf: one C++ pass
+            if token_ids is None:
+                token_ids = logits.argmax(dim=-1).masked_fill_(~finite_rows(logits), NON_FINITE)
             return [SampledToken(t, NO_LOGPROB, None) for t in token_ids.tolist()]
+        finite = finite_rows(logits)  # [B]: the model gave the row finite logits
 
         scores = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # [B, V]
         apply_penalties(scores, rows)

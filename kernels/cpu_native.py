@@ -1,6 +1,6 @@
 """The C++ CPU kernels (paged_attention/csrc: the paged decode attention; lora/csrc: batched LoRA shrink and
-expand; fused/csrc: RMSNorm, SiLU * up and rotary embedding, each fused), one extension built once per machine on
-first use, its ops under torch.ops.loraplex.
+expand; fused/csrc: RMSNorm, SiLU * up and rotary embedding, each fused; sampling/csrc: greedy argmax with the
+finiteness check), one extension built once per machine on first use, its ops under torch.ops.loraplex.
 
 torch.utils.cpp_extension compiles it with the machine's C++ compiler (-O3 -march=native) into torch's extension
 cache (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR); later processes load the cached build. Where it cannot
@@ -24,8 +24,8 @@ _state: dict[str, Any] = {}
 
 
 def load() -> Any:
-    """torch.ops.loraplex with the compiled ops (paged_decode_attention, lora_shrink_cpu, lora_expand_cpu and the
-    fused layer ops), or None where they cannot be built (or are turned off)."""
+    """torch.ops.loraplex with the compiled ops (paged_decode_attention, lora_shrink_cpu, lora_expand_cpu, the
+    fused layer ops and greedy_tokens_cpu), or None where they cannot be built (or are turned off)."""
     with _lock:
         if "module" not in _state:
             _state["module"] = _build()
