@@ -208,6 +208,45 @@ def test_cpu_ops_bfloat16_decode_runs_in_the_kernel_close_to_fp32(
     torch.testing.assert_close(out.float(), reference, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scenario", ["mixed", "long", "uniform_prefill"])
+def test_cpu_ops_prefill_runs_in_the_kernel_over_cached_prefixes(scenario, dtype, require_cpu_kernel, monkeypatch):
+    """Prefill chunks after a cached prefix and fresh prompts, through the C++ prefill (counted): the naive fp32
+    reference's outputs in fp32; in bf16 the fp32 path's on the same bf16 values, to bf16's rounding."""
+    from kernels.paged_attention import cpu_ops
+
+    calls, prefill = [], cpu_ops._prefill
+    monkeypatch.setattr(cpu_ops, "_prefill", lambda *args: calls.append(1) or prefill(*args))
+    b = make_batch(scenario, 9, 3, 16, head_dim=64, num_pad=1, dtype=dtype)
+    out = paged_attention(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.scale, backend="cpu")
+    assert calls and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, b.expected, rtol=1e-5, atol=1e-5)
+        return
+    k_cache, v_cache = b.k_cache.float(), b.v_cache.float()
+    reference = paged_attention(b.q.float(), b.k.float(), b.v.float(), k_cache, v_cache, b.meta, b.scale)
+    torch.testing.assert_close(out.float(), reference, rtol=1e-2, atol=1e-2)
+
+
+def test_cpu_prefill_kernel_refuses_what_its_tables_do_not_hold(require_cpu_kernel):
+    b = make_batch("prefill_only", 4, 2, 4)
+    m = b.meta
+    args = (b.k_cache, b.v_cache, m.prefill_block_tables, m.prefill_cu_seqlens_q, m.prefill_context_lens, b.scale)
+    require_cpu_kernel.paged_prefill_attention(b.q, *args)  # as built: fine
+    bad_table = m.prefill_block_tables.clone()
+    bad_table[0, 0] = -1
+    with pytest.raises(RuntimeError, match="out of range"):
+        require_cpu_kernel.paged_prefill_attention(b.q, b.k_cache, b.v_cache, bad_table, *args[3:])
+    short = m.prefill_context_lens.clone()
+    short[0] = 3  # fewer keys than the sequence's 20 new tokens
+    with pytest.raises(RuntimeError, match="q_len"):
+        require_cpu_kernel.paged_prefill_attention(b.q, *args[:4], short, b.scale)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        require_cpu_kernel.paged_prefill_attention(
+            b.q[..., :24], *(c[..., :24].contiguous() for c in args[:2]), *args[2:]
+        )
+
+
 def test_cpu_decode_kernel_refuses_tables_and_lengths_out_of_range(require_cpu_kernel):
     b = make_batch("decode_only", 4, 2, 4)
     d = b.meta

@@ -32,12 +32,13 @@ def attention(
     meta: PagedAttentionMeta,
     scale: float,
     decode: Callable[[Tensor, Tensor, Tensor, PagedAttentionMeta, float], Tensor] | None = None,
+    prefill: Callable[[Tensor, Tensor, Tensor, PagedAttentionMeta, float], Tensor] | None = None,
 ) -> Tensor:
     """out[t] = softmax(scale * q[t] @ K_s.T) @ V_s over the keys of t's seq s up to t's position (causal),
     read from the cache through s's block table; kv head of q head h is h // (Hq // Hkv); pad tokens get 0.
     q: [T, Hq, D] · k_cache, v_cache: [num_blocks, block_size, Hkv, D] · returns [T, Hq, D]
-    decode: the decode tokens' attention, decode_attention's signature (default: decode_attention; the cpu
-    backend gives its C++ kernel)."""
+    decode, prefill: the decode and prefill tokens' attention, with decode_attention's and prefill_attention's
+    signatures (default: those; the cpu backend gives its C++ kernels)."""
     if q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} kv heads")
     if k_cache.shape[1] != meta.block_size:
@@ -45,7 +46,7 @@ def attention(
     num_prefill, num_decode = meta.num_prefill_tokens, meta.num_decode_seqs
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, Hq, D]
     if num_prefill:
-        out[:num_prefill] = prefill_attention(q, k_cache, v_cache, meta, scale)
+        out[:num_prefill] = (prefill or prefill_attention)(q, k_cache, v_cache, meta, scale)
     if num_decode:
         rows = slice(num_prefill, num_prefill + num_decode)
         out[rows] = (decode or decode_attention)(q[rows], k_cache, v_cache, meta, scale)

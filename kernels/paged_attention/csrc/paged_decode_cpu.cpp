@@ -9,7 +9,7 @@
 //   block_tables [S, max_blocks] int32    context_lens [S] int32 (>= 1)
 //   returns      [S, Hq, D]: softmax(scale * q . K^T) V over keys 0 .. context_len - 1
 
-#include "cpu_vec.h"
+#include "paged_kv.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -25,33 +25,10 @@
 namespace {
 
 using loraplex::load_f32;
+using loraplex::softmax_numerators;
+using loraplex::token_row;
 using loraplex::store_f32;
 using loraplex::Vec;
-
-// Softmax numerators of row[0 .. n) in place (exp(x - max)); returns their sum.
-inline float softmax_numerators(float* row, int64_t n) {
-  Vec top_v(-std::numeric_limits<float>::infinity());
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) top_v = at::vec::maximum(top_v, Vec::loadu(row + i));
-  float top = top_v.reduce_max();
-  for (; i < n; ++i) top = std::max(top, row[i]);
-  const Vec top_b(top);
-  Vec sum_v(0.f);
-  for (i = 0; i + Vec::size() <= n; i += Vec::size()) {
-    const Vec e = (Vec::loadu(row + i) - top_b).exp_u20();
-    e.store(row + i);
-    sum_v = sum_v + e;
-  }
-  float sum = sum_v.reduce_add();
-  for (; i < n; ++i) sum += (row[i] = std::exp(row[i] - top));
-  return sum;
-}
-
-// Token t's row (one kv head) of a sequence's K or V, through its block table.
-inline const float* token_row(const float* base, const int32_t* table, int64_t t, int64_t block_size,
-                              int64_t block_stride, int64_t token_stride) {
-  return base + table[t / block_size] * block_stride + (t % block_size) * token_stride;
-}
 
 // Asks for a row of the next block while the same row of this one is used: the blocks lie anywhere in the pool,
 // so the hardware prefetcher, which follows strides, loses the thread at each block's end. Spread over the block's
