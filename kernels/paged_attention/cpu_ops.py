@@ -18,13 +18,13 @@ from . import torch_ops
 from .meta import PagedAttentionMeta
 
 store_kv = torch_ops.store_kv
-PREFILL_HEAD_DIMS = (32, 64, 128)  # the C++ prefill's (2, 4, 8 or 16 vectors on AVX2 and AVX-512 alike)
+PREFILL_HEAD_DIMS = (16, 32, 64, 128)  # the C++ prefill's (1 to 16 vectors on AVX2 and AVX-512 alike)
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMeta, scale: float) -> Tensor:
     """As torch_ops.attention, decode and prefill tokens through the C++ kernels (on CPU, where they build: float32,
     and bfloat16 with head_dim a multiple of 16 up to 128 and at most 8 q heads per kv head, computed in fp32;
-    prefill for head_dim 32, 64 or 128). q: [T, Hq, D] · k_cache, v_cache: [num_blocks, block_size, Hkv, D] ·
+    prefill for head_dim 16, 32, 64 or 128). q: [T, Hq, D] · k_cache, v_cache: [num_blocks, block_size, Hkv, D] ·
     returns [T, Hq, D]"""
     native = cpu_native.load()
     if native is None or q.device.type != "cpu" or not _kernel_takes(q, k_cache):

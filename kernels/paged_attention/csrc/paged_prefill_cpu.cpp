@@ -5,8 +5,8 @@
 // neighbouring positions). Parallel over the tasks on torch's own OpenMP team.
 //
 //   q            [T, Hq, D]  float32 or bfloat16, T >= the prefill tokens (rows 0 .. cu_seqlens_q[P]); any row /
-//                head strides, unit stride inside a head; D = 2, 4, 8 or 16 vectors (32, 64 or 128 both on AVX2 and
-//                AVX-512)
+//                head strides, unit stride inside a head; D = 1, 2, 4, 8 or 16 vectors (16, 32, 64 or 128 both on
+//                AVX2 and AVX-512)
 //   k/v_cache    [num_blocks, block_size, Hkv, D]  q's dtype, contiguous
 //   block_tables [P, max_blocks] int32    cu_seqlens_q [P+1] int32    context_lens [P] int32 (>= each q_len)
 //   returns      [cu_seqlens_q[P], Hq, D]: the new token i of sequence s (position context_len - q_len + i) attends
@@ -150,8 +150,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim && q.size(1) % num_kv_heads == 0, "head_dim / kv heads mismatch");
   const int64_t chunks = head_dim % Vec::size() == 0 ? head_dim / Vec::size() : 0;
-  TORCH_CHECK(chunks == 2 || chunks == 4 || chunks == 8 || chunks == 16, "head_dim ", head_dim,
-              " is not 2, 4, 8 or 16 vectors of ", Vec::size());
+  TORCH_CHECK(chunks == 1 || chunks == 2 || chunks == 4 || chunks == 8 || chunks == 16, "head_dim ", head_dim,
+              " is not 1, 2, 4, 8 or 16 vectors of ", Vec::size());
   TORCH_CHECK(block_tables.size(0) == num_seqs && cu_seqlens_q.size(0) == num_seqs + 1, "one table per sequence");
   const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
@@ -174,6 +174,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   loraplex::dispatch_float_bf16(dtype, "q", [&](auto tag) {
     using T = decltype(tag);
     switch (chunks) {
+      case 1: prefill_all<T, 1>(q, k_cache, v_cache, seqs, fscale, out); break;
       case 2: prefill_all<T, 2>(q, k_cache, v_cache, seqs, fscale, out); break;
       case 4: prefill_all<T, 4>(q, k_cache, v_cache, seqs, fscale, out); break;
       case 8: prefill_all<T, 8>(q, k_cache, v_cache, seqs, fscale, out); break;
