@@ -36,17 +36,22 @@ def setup(request, tmp_path_factory, tokenizer):
     for name in list(ADAPTERS)[1:]:
         peft_model.load_adapter(paths[name], adapter_name=name)
     peft_model.eval()
-    llm = LLM(
-        model=str(directory / "base"),
+    llm = cpu_llm(directory / "base", "float32", num_kv_blocks=512)
+    loras = {name: LoRARequest(name, path) for name, path in paths.items()}
+    return hf, peft_model, llm, loras
+
+
+def cpu_llm(model, dtype: str, num_kv_blocks: int) -> LLM:
+    """Our engine on the CPU with 4 adapter rows of rank up to 16 (the largest of ADAPTERS)."""
+    return LLM(
+        model=str(model),
         device="cpu",
-        dtype="float32",
-        num_kv_blocks=512,
+        dtype=dtype,
+        num_kv_blocks=num_kv_blocks,
         enable_lora=True,
         max_loras=4,
         max_lora_rank=16,
     )
-    loras = {name: LoRARequest(name, path) for name, path in paths.items()}
-    return hf, peft_model, llm, loras
 
 
 def peft_logits(peft_model, token_ids: list[int], adapter: str | None) -> torch.Tensor:
@@ -121,15 +126,7 @@ def test_bfloat16_lora_on_cpu_stays_close_to_peft_fp32(setup, cpu_kernel):
     """bf16 weights, K/V and LoRA (on CPU the C++ kernels where they build): each adapter's prefill logits within
     bf16 error of peft's fp32 ones, and much nearer them than to the base model's (the delta is applied)."""
     _, peft_model, fp32_llm, loras = setup
-    llm = LLM(
-        model=fp32_llm.engine.config.model,
-        device="cpu",
-        dtype="bfloat16",
-        num_kv_blocks=64,
-        enable_lora=True,
-        max_loras=4,
-        max_lora_rank=16,
-    )
+    llm = cpu_llm(fp32_llm.engine.config.model, "bfloat16", num_kv_blocks=64)
     assert llm.engine.config.lora_backend == ("cpu" if cpu_kernel is not None else "torch")
     token_ids = prompts(llm.engine.runner.arch.vocab_size)[-3]
     base = peft_logits(peft_model, token_ids, None)

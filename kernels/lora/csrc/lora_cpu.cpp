@@ -77,6 +77,25 @@ inline int run_length(const int64_t* rows, const int64_t* order, int64_t p, int6
   return n;
 }
 
+// ptrs[k] = base + tokens[k] * stride for the n tokens of a run: their rows of x, y or z.
+template <typename P>
+inline void token_rows(P* base, int64_t stride, const int64_t* tokens, int n, P** ptrs) {
+  for (int k = 0; k < n; ++k) ptrs[k] = base + tokens[k] * stride;
+}
+
+// f(p, n, row) for each run of n <= kMaxRun ordered tokens from order[p] on that share adapter row `row`, the
+// ordered tokens split among torch's OpenMP team.
+template <typename F>
+void for_each_run(const int64_t* rows, const int64_t* order, int64_t num_ordered, F&& f) {
+  at::parallel_for(0, num_ordered, kTokensPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end;) {
+      const int n = run_length(rows, order, p, end);
+      f(p, n, rows[order[p]]);
+      p += n;
+    }
+  });
+}
+
 // out_k[c] = a[c] . x_k for the N tokens k sharing the weights a [width, h_in]; columns past `used` of each slice
 // of R are zero rows of a: 0 without reading them.
 template <int N, typename T, typename Z>
@@ -185,19 +204,12 @@ void lora_shrink_cpu(at::Tensor out, const at::Tensor& x, const at::Tensor& lora
     const T* x_ptr = x.data_ptr<T>();
     const T* a_ptr = lora_a.data_ptr<T>();
     T* out_ptr = out.data_ptr<T>();
-    at::parallel_for(0, order.size(0), kTokensPerTask, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end;) {
-        const int n = run_length(rows, tokens, p, end);
-        const T* xs[kMaxRun];
-        T* outs[kMaxRun];
-        for (int k = 0; k < n; ++k) {
-          xs[k] = x_ptr + tokens[p + k] * x_stride;
-          outs[k] = out_ptr + tokens[p + k] * out_stride;
-        }
-        const int64_t row = rows[tokens[p]];
-        shrink_tokens(n, a_ptr + row * width * h_in, xs, outs, width, h_in, rank, ranks ? ranks[row] : rank);
-        p += n;
-      }
+    for_each_run(rows, tokens, order.size(0), [&](int64_t p, int n, int64_t row) {
+      const T* xs[kMaxRun];
+      T* outs[kMaxRun];
+      token_rows(x_ptr, x_stride, tokens + p, n, xs);
+      token_rows(out_ptr, out_stride, tokens + p, n, outs);
+      shrink_tokens(n, a_ptr + row * width * h_in, xs, outs, width, h_in, rank, ranks ? ranks[row] : rank);
     });
   });
 }
@@ -222,19 +234,12 @@ void lora_expand_cpu(at::Tensor y, const at::Tensor& z, const at::Tensor& lora_b
     const T* z_ptr = z.data_ptr<T>();
     const T* b_ptr = lora_bt.data_ptr<T>();
     T* y_ptr = y.data_ptr<T>();
-    at::parallel_for(0, order.size(0), kTokensPerTask, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end;) {
-        const int n = run_length(rows, tokens, p, end);
-        const int64_t row = rows[tokens[p]];
-        const T* zs[kMaxRun];
-        T* ys[kMaxRun];
-        for (int k = 0; k < n; ++k) {
-          zs[k] = z_ptr + tokens[p + k] * z_stride;
-          ys[k] = y_ptr + tokens[p + k] * y_stride;
-        }
-        expand_tokens(n, b_ptr + row * rank * h_out, h_out, rank, ranks ? ranks[row] : rank, zs, ys, bounds);
-        p += n;
-      }
+    for_each_run(rows, tokens, order.size(0), [&](int64_t p, int n, int64_t row) {
+      const T* zs[kMaxRun];
+      T* ys[kMaxRun];
+      token_rows(z_ptr, z_stride, tokens + p, n, zs);
+      token_rows(y_ptr, y_stride, tokens + p, n, ys);
+      expand_tokens(n, b_ptr + row * rank * h_out, h_out, rank, ranks ? ranks[row] : rank, zs, ys, bounds);
     });
   });
 }
@@ -264,23 +269,18 @@ void lora_add_cpu(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, c
     const T* a_ptr = lora_a.data_ptr<T>();
     const T* b_ptr = lora_bt.data_ptr<T>();
     T* y_ptr = y.data_ptr<T>();
-    at::parallel_for(0, order.size(0), kTokensPerTask, [&](int64_t begin, int64_t end) {
-      std::vector<float> z(kMaxRun * width);  // [n, S*R] of the run in hand
-      for (int64_t p = begin; p < end;) {
-        const int n = run_length(rows, tokens, p, end);
-        const int64_t row = rows[tokens[p]], used = ranks ? ranks[row] : rank;
-        const T* xs[kMaxRun];
-        float* zs[kMaxRun];
-        T* ys[kMaxRun];
-        for (int k = 0; k < n; ++k) {
-          xs[k] = x_ptr + tokens[p + k] * x_stride;
-          zs[k] = z.data() + k * width;
-          ys[k] = y_ptr + tokens[p + k] * y_stride;
-        }
-        shrink_tokens(n, a_ptr + row * width * h_in, xs, zs, width, h_in, rank, used);
-        expand_tokens(n, b_ptr + row * rank * h_out, h_out, rank, used, zs, ys, bounds);
-        p += n;
-      }
+    for_each_run(rows, tokens, order.size(0), [&](int64_t p, int n, int64_t row) {
+      thread_local std::vector<float> z;  // [n, S*R] of the run in hand, the thread's own
+      z.resize(kMaxRun * width);
+      const int64_t used = ranks ? ranks[row] : rank;
+      const T* xs[kMaxRun];
+      float* zs[kMaxRun];
+      T* ys[kMaxRun];
+      token_rows(x_ptr, x_stride, tokens + p, n, xs);
+      token_rows(y_ptr, y_stride, tokens + p, n, ys);
+      for (int k = 0; k < n; ++k) zs[k] = z.data() + k * width;
+      shrink_tokens(n, a_ptr + row * width * h_in, xs, zs, width, h_in, rank, used);
+      expand_tokens(n, b_ptr + row * rank * h_out, h_out, rank, used, zs, ys, bounds);
     });
   });
 }

@@ -209,29 +209,17 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  loraplex::check_q_and_caches(q, "S", k_cache, v_cache, block_tables, {&context_lens});
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(q.dim() == 3 && (dtype == at::kFloat || dtype == at::kBFloat16) && q.stride(2) == 1,
-              "q: [S, Hq, D] float32 or bfloat16");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == dtype &&
-                  v_cache.scalar_type() == dtype,
-              "caches: contiguous [num_blocks, block_size, Hkv, D] of q's dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
-                  context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
-              "block_tables, context_lens: contiguous int32");
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head_dim / kv heads mismatch");
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
   TORCH_CHECK(block_tables.size(0) == num_seqs && context_lens.size(0) == num_seqs, "one table per sequence");
   const int64_t max_blocks = block_tables.size(1);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   for (int64_t s = 0; s < num_seqs; ++s) {
     TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size, "context_lens[", s, "] out of range");
-    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b) {
-      const int32_t block = tables[s * max_blocks + b];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", s, ", ", b, "] = ", block, " out of range");
-    }
+    loraplex::check_table(tables, s, max_blocks, lens[s], block_size, num_blocks);
   }
   auto out = at::empty({num_seqs, num_heads, head_dim}, q.options());
   const float fscale = static_cast<float>(scale);

@@ -135,20 +135,10 @@ void prefill_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
                                    const at::Tensor& context_lens, double scale) {
+  loraplex::check_q_and_caches(q, "T", k_cache, v_cache, block_tables, {&cu_seqlens_q, &context_lens});
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(q.dim() == 3 && (dtype == at::kFloat || dtype == at::kBFloat16) && q.stride(2) == 1,
-              "q: [T, Hq, D] float32 or bfloat16");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == dtype &&
-                  v_cache.scalar_type() == dtype,
-              "caches: contiguous [num_blocks, block_size, Hkv, D] of q's dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2 &&
-                  cu_seqlens_q.scalar_type() == at::kInt && cu_seqlens_q.is_contiguous() &&
-                  context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
-              "block_tables, cu_seqlens_q, context_lens: contiguous int32");
   const int64_t num_seqs = context_lens.size(0), head_dim = q.size(2);
-  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && q.size(1) % num_kv_heads == 0, "head_dim / kv heads mismatch");
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
   const int64_t chunks = head_dim % Vec::size() == 0 ? head_dim / Vec::size() : 0;
   TORCH_CHECK(chunks == 1 || chunks == 2 || chunks == 4 || chunks == 8 || chunks == 16, "head_dim ", head_dim,
               " is not 1, 2, 4, 8 or 16 vectors of ", Vec::size());
@@ -163,10 +153,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
     const int64_t q_len = cu[s + 1] - cu[s], ctx = lens[s];
     TORCH_CHECK(q_len >= 1 && q_len <= ctx && ctx <= max_blocks * block_size, "sequence ", s, ": q_len ", q_len,
                 ", context_len ", ctx, " out of range");
-    for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; ++b) {
-      const int32_t block = tables[s * max_blocks + b];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", s, ", ", b, "] = ", block, " out of range");
-    }
+    loraplex::check_table(tables, s, max_blocks, ctx, block_size, num_blocks);
     seqs.push_back({tables + s * max_blocks, cu[s], q_len, ctx});
   }
   auto out = at::empty({cu[num_seqs], q.size(1), head_dim}, q.options());
