@@ -68,8 +68,12 @@ class AdapterCache:
         dtype: torch.dtype,
         allow_pickle: bool = False,
         loader_setup: Callable[[], None] | None = None,
+        transposed_b: bool = False,
     ):
-        """`loader_setup` runs first on the loader thread (the engine keeps it off its OpenMP team)."""
+        """`loader_setup` runs first on the loader thread (the engine keeps it off its OpenMP team).
+        `transposed_b`: also keep every lora_b stack as [N, R, H_out] (`lora_bt`), each row written with its
+        lora_b row, for kernels that read B that way (the CPU ones: otherwise they transpose every row of a stack
+        again whenever any one row changes)."""
         if max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be at least max_loras ({max_loras})")
         self.spec, self.packed = spec, packed
@@ -87,6 +91,12 @@ class AdapterCache:
                 b[name] = torch.zeros(max_loras, h_out, rank, dtype=dtype, device=device)
             self.lora_a.append(a)
             self.lora_b.append(b)
+        # per layer: packed name -> [N, R, H_out], lora_b's rows transposed (transposed_b only)
+        self.lora_bt: list[dict[str, torch.Tensor]] | None = None
+        if transposed_b:
+            self.lora_bt = [
+                {name: b.transpose(1, 2).contiguous() for name, b in layer.items()} for layer in self.lora_b
+            ]
         # [N] int64, host: the rank of the adapter in each row (its largest over modules): columns of A and B past
         # it are zero, and the CPU kernels skip them (a rank-8 adapter under max_lora_rank 64 costs rank 8)
         self.row_ranks = torch.full((max_loras,), rank, dtype=torch.int64)
@@ -258,6 +268,8 @@ class AdapterCache:
         for (layer, name), (a, b) in host.rows.items():
             self.lora_a[layer][name][row].copy_(a)  # synchronous: the host tier may drop `a` right after
             self.lora_b[layer][name][row].copy_(b)
+            if self.lora_bt is not None:
+                self.lora_bt[layer][name][row].copy_(b.T)
         self.row_ranks[row] = host.weights.rank
         self.stats.activations += 1
 

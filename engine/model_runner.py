@@ -26,6 +26,7 @@ from engine.models.llama import lora_targets
 from engine.scheduler import ScheduledBatch
 from engine.step_meta import StepMeta
 from kernels.lora import NO_ADAPTER, LoraMeta
+from kernels.lora.cpu_ops import keep_transposed
 from kernels.paged_attention import PagedAttentionMeta
 
 logger = logging.getLogger(__name__)
@@ -95,11 +96,14 @@ class ModelRunner:
             config.torch_dtype,
             config.allow_pickle_adapters,
             loader_setup=run_alone,
+            transposed_b=config.lora_backend == "cpu",  # the C++ expand reads B as [N, R, H_out]
         )
         for layer_idx in range(arch.num_layers):
             for name, owner in self.model.lora_owners(layer_idx).items():
                 slices = tuple(spec.module_shapes[m][1] for m in lora_targets[name])
                 a, b = self.adapter_cache.lora_a[layer_idx][name], self.adapter_cache.lora_b[layer_idx][name]
+                if self.adapter_cache.lora_bt is not None:
+                    keep_transposed(b, self.adapter_cache.lora_bt[layer_idx][name])
                 setattr(owner, name, LoRALinear(getattr(owner, name), a, b, slices, config.lora_backend))
         logger.info(
             "LoRA: %d device rows of rank %d, %d adapters in host memory, %s kernels",

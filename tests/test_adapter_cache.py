@@ -136,3 +136,28 @@ def test_a_row_records_the_rank_of_the_adapter_it_holds(loaded):
     row = cache.acquire(a)
     assert cache.row_ranks[row] == 4
     cache.release(row)
+
+
+def test_the_transposed_b_stacks_follow_every_row_written(tiny_adapters):
+    """transposed_b: each lora_bt row is written with its lora_b row, so the CPU expand never transposes a whole
+    stack again after an activation."""
+    from kernels.lora import cpu_ops
+
+    spec, loras = tiny_adapters
+    cache = AdapterCache(spec, lora_targets, 2, NUM_ADAPTERS, 8, torch.device("cpu"), torch.float32, transposed_b=True)
+    try:
+        for lora in (*loras, loras[0]):  # four adapters through two rows: rows rewritten
+            cache.load(lora)
+            cache.release(cache.acquire(lora))
+        assert cache.stats.activations == 5 and cache.stats.device_evictions == 3
+        for layer_b, layer_bt in zip(cache.lora_b, cache.lora_bt, strict=True):
+            for name, b in layer_b.items():
+                assert torch.equal(layer_bt[name], b.transpose(1, 2)), name
+        b, bt = cache.lora_b[0]["qkv_proj"], cache.lora_bt[0]["qkv_proj"]
+        cpu_ops.keep_transposed(b, bt)
+        assert cpu_ops.transposed(b) is bt  # used as it is, whatever b's version
+        with pytest.raises(ValueError, match="transpose"):
+            cpu_ops.keep_transposed(b, bt.transpose(1, 2))
+    finally:
+        cache.shutdown()
+    assert make_cache(spec, 1, 1).lora_bt is None  # only when asked

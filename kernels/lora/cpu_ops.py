@@ -2,9 +2,10 @@
 adapters in the batch, for float32 and bfloat16 (computed in fp32), walking the tokens in the meta's adapter order;
 add_lora runs both in one call (what a LoRA layer makes); anything else (or no compiler) runs torch_ops.
 
-Expand reads lora_b transposed, [N, R, H_out], so that each token adds R contiguous scaled rows: the transpose is
-made once and kept while the stacked weights are unchanged (their version counter: activating an adapter writes
-its row in place and bumps it).
+Expand reads lora_b transposed, [N, R, H_out], so that each token adds R contiguous scaled rows: either the owner
+of the stack keeps that transpose row by row and says so (`keep_transposed`: the engine's adapter cache), or it is
+made here once and kept while the stacked weights are unchanged (their version counter: writing a row in place
+bumps it, and every row is transposed again).
 """
 
 import functools
@@ -20,6 +21,8 @@ from .meta import LoraMeta, check_expand, check_shrink
 
 # id(lora_b) -> (a weak reference to it, its version when transposed, lora_b^T)
 _transposed: dict[int, tuple[weakref.ref, int, Tensor]] = {}
+# id(lora_b) -> (a weak reference to it, lora_b^T kept up to date by the stack's owner)
+_kept: dict[int, tuple[weakref.ref, Tensor]] = {}
 
 
 def _native(*tensors: Tensor):
@@ -58,9 +61,24 @@ def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_sli
     )
 
 
-def transposed(lora_b: Tensor) -> Tensor:
-    """lora_b [N, H_out, R] as a contiguous [N, R, H_out], remade only after lora_b changed."""
+def keep_transposed(lora_b: Tensor, lora_bt: Tensor) -> None:
+    """Says that lora_bt, a contiguous [N, R, H_out], is lora_b^T and that whoever writes a row of lora_b writes
+    the same row of lora_bt: the expand reads it as it is."""
+    if lora_bt.shape != (lora_b.shape[0], lora_b.shape[2], lora_b.shape[1]) or not lora_bt.is_contiguous():
+        raise ValueError(
+            f"lora_bt {tuple(lora_bt.shape)} is not a contiguous transpose of lora_b {tuple(lora_b.shape)}"
+        )
     key = id(lora_b)
+    _kept[key] = (weakref.ref(lora_b, lambda _, key=key: _kept.pop(key, None)), lora_bt)
+
+
+def transposed(lora_b: Tensor) -> Tensor:
+    """lora_b [N, H_out, R] as a contiguous [N, R, H_out]: the one its owner keeps, else one remade only after
+    lora_b changed."""
+    key = id(lora_b)
+    kept = _kept.get(key)
+    if kept is not None and kept[0]() is lora_b:
+        return kept[1]
     cached = _transposed.get(key)
     if cached is None or cached[0]() is not lora_b or cached[1] != lora_b._version:
         cached = (weakref.ref(lora_b, lambda _, key=key: _transposed.pop(key, None)), lora_b._version,
