@@ -17,9 +17,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <type_traits>
-#include <limits>
 #include <vector>
 
 namespace {
@@ -210,7 +208,6 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   loraplex::check_q_and_caches(q, "S", k_cache, v_cache, block_tables, {&context_lens});
-  const auto dtype = q.scalar_type();
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
   TORCH_CHECK(block_tables.size(0) == num_seqs && context_lens.size(0) == num_seqs, "one table per sequence");
@@ -223,10 +220,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   }
   auto out = at::empty({num_seqs, num_heads, head_dim}, q.options());
   const float fscale = static_cast<float>(scale);
-  if (dtype == at::kFloat)
-    decode_all<float>(q, k_cache, v_cache, tables, lens, max_blocks, fscale, out);
-  else
-    decode_all<c10::BFloat16>(q, k_cache, v_cache, tables, lens, max_blocks, fscale, out);
+  loraplex::dispatch_float_bf16(q.scalar_type(), "q", [&](auto tag) {
+    decode_all<decltype(tag)>(q, k_cache, v_cache, tables, lens, max_blocks, fscale, out);
+  });
   return out;
 }
 
