@@ -183,8 +183,11 @@ def test_replicas_compares_adapter_routing_with_round_robin_on_the_same_requests
     assert [run["routing"] for run in result["runs"]] == ["adapter", "round-robin"]
     for run in result["runs"]:
         assert run["completed"] == 12 and run["failed"] == 0 and run["total_output_tokens"] == 12 * 4
-        # every request's adapter is resident somewhere after a load: at most one load per request, and some
-        assert 0 < run["adapter_loads_per_1000"] <= 1000 and run["ttft_ms"]["p50"] > 0
+        # the replicas' own counters, differenced over the run: some loads, and at most two reads per request (Ray's
+        # loader reads it; when Ray's one-slot LRU evicts it for another adapter before the request is admitted, the
+        # engine reads it once more)
+        assert 0 < run["adapter_loads_per_1000"] <= 2000 and 0 < run["activations_per_1000"] <= 2000
+        assert run["ttft_ms"]["p50"] > 0
     assert json.loads((tmp_path / "replicas.json").read_text())["replicas"] == 2
     assert (tmp_path / "replica_routing.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="--routing takes"):
