@@ -24,7 +24,7 @@ from engine.model_loader import load_model
 from engine.models.arch import ModelArch
 from engine.models.llama import lora_targets
 from engine.scheduler import ScheduledBatch
-from engine.step_meta import StepMeta
+from engine.step_meta import OutputRows, StepMeta
 from kernels.lora import NO_ADAPTER, LoraMeta
 from kernels.lora.cpu_ops import keep_transposed
 from kernels.paged_attention import PagedAttentionMeta
@@ -168,9 +168,29 @@ class ModelRunner:
             sample_rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self.device)  # [S]
         lora = None
         if self.adapter_cache is not None and max(token_adapter_idx) != NO_ADAPTER:
-            cache = self.adapter_cache
-            lora = LoraMeta.build(token_adapter_idx, self.device, cache.row_ranks, cache.max_lora_rank)
-        return input_ids_t, positions_t, StepMeta(attn, lora), last_rows_t, sample_rows_t
+            lora = self._lora_meta(token_adapter_idx)
+        output_rows = None
+        if len(input_ids) > len(last_rows):  # prefill tokens: the last layer runs on each seq's last row only
+            output_lora = None if lora is None else self._lora_meta([token_adapter_idx[row] for row in last_rows])
+            output_rows = OutputRows(last_rows_t, self._query_meta(context_lens, block_tables), output_lora)
+        return input_ids_t, positions_t, StepMeta(attn, lora, output_rows), last_rows_t, sample_rows_t
+
+    def _lora_meta(self, token_adapter_idx: list[int]) -> LoraMeta:
+        cache = self.adapter_cache
+        return LoraMeta.build(token_adapter_idx, self.device, cache.row_ranks, cache.max_lora_rank)
+
+    def _query_meta(self, context_lens: list[int], block_tables: list[list[int]]) -> PagedAttentionMeta:
+        """One query per sequence, its last token, over its whole context as the step leaves it (stores nothing)."""
+        return PagedAttentionMeta.build(
+            slot_mapping=torch.full((len(context_lens),), -1, dtype=torch.long),
+            block_size=self.block_size,
+            prefill_q_lens=[],
+            prefill_context_lens=[],
+            prefill_block_tables=[],
+            decode_context_lens=context_lens,
+            decode_block_tables=block_tables,
+            device=self.device,
+        )
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -195,8 +215,8 @@ class ModelRunner:
         batch order, and finite [B] bool: each seq's last hidden state this step is finite. A NaN or Inf in any K or V
         the step wrote for a seq reaches that hidden state, which attends to all of them."""
         input_ids, positions, meta, last_rows, sample_rows = self._prepare(batch)
-        hidden = self.model(input_ids, positions, meta)  # [T, H]
-        last = hidden[last_rows]  # [B, H]
+        hidden = self.model(input_ids, positions, meta)  # [T, H], or [B, H] when the meta names output rows
+        last = hidden if meta.output_rows is not None else hidden[last_rows]  # [B, H]
         finite = torch.isfinite(last).all(dim=-1)  # [B]
         return self.model.compute_logits(last if sample_rows is None else last[sample_rows]), finite
 

@@ -92,6 +92,32 @@ def test_batched_greedy_generation_matches_transformers(model_pair):
         assert out.outputs[0].finish_reason == "length"
 
 
+
+def test_prompt_steps_run_the_last_layer_on_each_sequences_last_row_only(model_pair):
+    """Steps with prompt tokens (chunks of long prompts beside other seqs' decodes) run the first layer's MLP on every
+    token and the last layer's on one row per seq; the greedy tokens stay transformers'."""
+    hf, llm = model_pair
+    batch = prompts(hf.config.vocab_size, seed=7)[-6:]  # 375 new prompt tokens: chunked under a 256-token budget
+    layers = llm.engine.runner.model.model.layers
+    rows: dict[str, list[int]] = {"first": [], "last": []}
+    hooks = [
+        layer.mlp.register_forward_hook(lambda _m, args, _out, key=key: rows[key].append(args[0].shape[0]))
+        for key, layer in (("first", layers[0]), ("last", layers[-1]))
+    ]
+    try:
+        ours = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    prompt_steps = [(t, b) for t, b in zip(rows["first"], rows["last"]) if t > b]
+    assert len(prompt_steps) >= 2 and all(t <= 256 for t, _ in prompt_steps)  # the prompts took several steps
+    assert sum(b for _, b in prompt_steps) < sum(t for t, _ in prompt_steps) // 10
+    for prompt, out in zip(batch, ours):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist(), f"prompt of {len(prompt)} tokens"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_cuda_triton_attention_matches_transformers(arch, tmp_path, tokenizer):

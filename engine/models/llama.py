@@ -17,7 +17,7 @@ from engine.layers.lora_linear import apply_linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rope, RotaryEmbedding, apply_rotary, rotate_heads
 from engine.models.arch import ModelArch
-from engine.step_meta import StepMeta
+from engine.step_meta import OutputRows, StepMeta
 from kernels.fused import fused_ops
 from kernels.lora import LoraMeta
 
@@ -54,7 +54,8 @@ class Attention(nn.Module):
         self.qk_norm = arch.qk_norm
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, attention_backend)
 
-    def forward(self, x: torch.Tensor, rope: Rope, meta: StepMeta):
+    def forward(self, x: torch.Tensor, rope: Rope, meta: StepMeta, last: OutputRows | None = None):
+        """x: [T, H] -> [T, H]; with `last` (the model's last layer) K/V for all T rows, the rest for its B rows."""
         num_tokens = x.shape[0]
         qkv = apply_linear(self.qkv_proj, x, meta.lora)  # [T, q_size + 2 kv_size]
         q, k, v = qkv.split(self.output_slices, dim=-1)
@@ -66,8 +67,9 @@ class Attention(nn.Module):
         else:  # q and k side by side in qkv: their heads rotate together, as one [T, Hq + Hkv, D]
             qk = rotate_heads(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = self.attn(q, k, v, meta.attn)  # [T, Hq, D]
-        return apply_linear(self.o_proj, out.reshape(num_tokens, self.q_size), meta.lora)
+        out = self.attn(q, k, v, meta.attn, last)  # [T, Hq, D], or [B, Hq, D] for the output rows
+        lora = meta.lora if last is None else last.lora
+        return apply_linear(self.o_proj, out.reshape(out.shape[0], self.q_size), lora)
 
 
 class MLP(nn.Module):
@@ -96,14 +98,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x, residual, rope, meta):
+    def forward(self, x, residual, rope, meta, last: OutputRows | None = None):
+        """[T, H] in; [T, H] out, or [B, H] for `last`'s rows (see StepMeta.output_rows)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x = self.self_attn(x, rope, meta)
+        x = self.self_attn(x, rope, meta, last)
+        if last is not None:
+            residual = residual[last.rows]  # [B, H]
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
-        return self.mlp(x, meta.lora), residual
+        return self.mlp(x, meta.lora if last is None else last.lora), residual
 
 
 class LlamaModel(nn.Module):
@@ -118,8 +123,10 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, H]
         rope = self.rotary(positions)  # once per step, shared by every layer
         residual = None
-        for layer in self.layers:
+        *layers, last_layer = self.layers
+        for layer in layers:
             x, residual = layer(x, residual, rope, meta)
+        x, residual = last_layer(x, residual, rope, meta, meta.output_rows)
         x, _ = self.norm.add_and_norm(x, residual)
         return x
 
@@ -134,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, H]."""
+        """input_ids, positions: [T] -> hidden states [T, H], or [B, H] for meta.output_rows' rows."""
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
