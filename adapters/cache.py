@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from adapters.base_spec import BaseModelSpec
-from adapters.lora_weights import AdapterError, LoRAWeights, first_nonfinite, load_lora
+from adapters.lora_weights import AdapterError, LoRAWeights, load_lora
 from adapters.ref import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -117,26 +117,27 @@ class AdapterCache:
         """Reads and validates the adapter from disk (raising AdapterError); changes nothing. See `store`."""
         start = time.perf_counter()
         weights = load_lora(lora.path, self.spec, self.max_lora_rank, self.allow_pickle, name=lora.adapter_id)
+        self._check_fits(weights)
         rows = {
             (layer, name): self._padded_rows(weights, layer, modules)
             for layer in range(self.spec.num_layers)
             for name, modules in self.packed.items()
         }
-        if first_nonfinite([t for pair in rows.values() for t in pair]) is not None:
-            raise self._overflow(weights)
         if self.device.type == "cuda":
             rows = {key: (a.pin_memory(), b.pin_memory()) for key, (a, b) in rows.items()}
         return HostAdapter(weights, rows, time.perf_counter() - start)
 
-    def _overflow(self, weights: LoRAWeights) -> AdapterError:
-        """Names the first module whose A, or B times its scaling, is not finite in the serving dtype."""
-        for (layer, module), (lora_a, lora_b, scaling) in sorted(weights.weights.items()):
-            if first_nonfinite([lora_a.to(self.dtype), (lora_b * scaling).to(self.dtype)]) is not None:
-                return AdapterError(
+    def _check_fits(self, weights: LoRAWeights) -> None:
+        """Raises naming the first module whose A, or B times its scaling (as the rows hold them), passes the serving
+        dtype's largest value: from the magnitudes `load_lora` measured, without converting anything."""
+        limit = torch.finfo(self.dtype).max
+        for (layer, module), (a_max, b_max) in sorted(weights.magnitudes.items()):
+            scaling = weights.weights[layer, module][2]
+            if a_max > limit or b_max * abs(scaling) > limit:
+                raise AdapterError(
                     f"adapter {weights.name!r}: layer {layer} {module}: lora_A, or lora_B times its scaling "
                     f"{scaling:g}, overflows {self.dtype}, the dtype it is served in"
                 )
-        return AdapterError(f"adapter {weights.name!r} overflows {self.dtype}, the dtype it is served in")
 
     def _padded_rows(self, weights: LoRAWeights, layer: int, modules: tuple[str, ...]):
         rank, shapes = self.max_lora_rank, self.spec.module_shapes

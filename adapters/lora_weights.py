@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
 
 from adapters.base_spec import MODULE_PARENTS, BaseModelSpec
 from adapters.peft_config import AdapterConfig, AdapterError, read_adapter_config
@@ -47,6 +49,8 @@ class LoRAWeights:
     base_model_name: str | None  # the config's base_model_name_or_path
     # (layer, module) -> (A [r, in] fp32, B [out, r] fp32, scaling): delta(x) = scaling * x @ A.T @ B.T
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
+    # (layer, module) -> the largest |value| of its A and of its B (all finite): whether a serving dtype holds them
+    magnitudes: dict[tuple[int, str], tuple[float, float]]
 
 
 def load_lora(
@@ -61,7 +65,7 @@ def load_lora(
     _check_base_name(config, spec, label)
     tensors, pairs, prefix = _pair_tensors(_read_tensors(directory, label, allow_pickle), spec, label)
     _check_targets(config, set(pairs.values()), prefix, spec, label)
-    weights = _checked_weights(tensors, pairs, config, max_lora_rank, label)
+    weights, magnitudes = _checked_weights(tensors, pairs, config, max_lora_rank, label)
     return LoRAWeights(
         name=name if name is not None else directory.name,
         path=str(path),
@@ -72,6 +76,7 @@ def load_lora(
         alpha=float(config.lora_alpha),
         base_model_name=config.base_model_name_or_path,
         weights=weights,
+        magnitudes=magnitudes,
     )
 
 
@@ -79,9 +84,8 @@ def _read_tensors(directory: Path, label: str, allow_pickle: bool) -> dict[str, 
     """Stored tensor name -> tensor, from the safetensors file, else (if allowed) the pickle."""
     safetensors_path, pickle_path = directory / SAFETENSORS_NAME, directory / PICKLE_NAME
     if safetensors_path.is_file():
-        try:
-            with safe_open(str(safetensors_path), framework="pt", device="cpu") as f:
-                stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        try:  # one read of the whole file, then one parse: an adapter is small, and its hundreds of tensors tiny
+            stored = dict(sorted(load_safetensors(safetensors_path.read_bytes()).items()))  # by name, as safe_open
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
             raise AdapterError(f"adapter {label!r}: cannot read {safetensors_path}: {e}") from e
     elif pickle_path.is_file():
@@ -199,7 +203,8 @@ def _checked_weights(
     config: AdapterConfig,
     max_lora_rank: int,
     label: str,
-) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]:
+) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]], dict[tuple[int, str], tuple[float, float]]]:
+    """(A, B, scaling) per (layer, module) in module order, and the largest |value| of each A and B."""
     weights = {}
     for (layer, module), key in sorted(pairs.items()):
 
@@ -213,20 +218,25 @@ def _checked_weights(
         if rank != config.rank_for(key):
             raise fail(f"lora_A has rank {rank}, but adapter_config.json gives r={config.rank_for(key)} for it")
         weights[layer, module] = a, b, _checked_scaling(config, key, label)
-    bad = first_nonfinite([t for a, b, _ in weights.values() for t in (a, b)])  # weights: in module order
+    largest = magnitudes([t for a, b, _ in weights.values() for t in (a, b)])  # weights: in module order
+    bad = next((i for i, m in enumerate(largest) if not math.isfinite(m)), None)
     if bad is not None:
         key, ab = pairs[list(weights)[bad // 2]], ("lora_A", "lora_B")[bad % 2]
         raise AdapterError(f"adapter {label!r}: {key}.{ab} holds NaN or Inf values")
-    return weights
+    return weights, {module: (largest[2 * i], largest[2 * i + 1]) for i, module in enumerate(weights)}
 
 
-def first_nonfinite(tensors: list[torch.Tensor]) -> int | None:
-    """The index of the first tensor holding a NaN or an Inf, None when all are finite. The common case is one
-    pass over all of them (the largest magnitude: a NaN or an Inf carries through the max), not a check per tensor
-    (an adapter has hundreds of small ones); only a failure looks for which."""
-    if not tensors or bool(torch.cat([t.reshape(-1) for t in tensors]).abs().amax().isfinite()):
-        return None
-    return next(i for i, t in enumerate(tensors) if not bool(t.isfinite().all()))
+def magnitudes(tensors: list[torch.Tensor]) -> list[float]:
+    """Each tensor's largest |value|: NaN when it holds a NaN, inf when an Inf (aminmax carries both), 0 when empty.
+    One pass over each tensor and no copy: an adapter has hundreds of small ones, read while the engine runs."""
+    largest = []
+    for t in tensors:
+        if not t.numel():
+            largest.append(0.0)
+            continue
+        low, high = (float(x) for x in torch.aminmax(t))
+        largest.append(math.nan if math.isnan(low) or math.isnan(high) else max(-low, high))
+    return largest
 
 
 def _checked_scaling(config: AdapterConfig, key: str, label: str) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -15,6 +16,7 @@ from peft.tuners.lora import Linear as PeftLoraLinear
 from safetensors.torch import load_file, save_file
 
 from adapters import AdapterError, BaseModelSpec, load_lora
+from adapters.lora_weights import magnitudes
 from tests.hf_models import make_adapter, make_model
 
 MAX_RANK = 16
@@ -272,3 +274,24 @@ def test_error_names_the_path_without_a_name(spec, tmp_path):
     with pytest.raises(AdapterError, match=f"adapter '{tmp_path / 'nowhere'}': .* is not a directory"):
         load_lora(tmp_path / "nowhere", spec, MAX_RANK)
     assert issubclass(AdapterError, ValueError)
+
+
+def test_magnitudes_are_each_tensors_largest_absolute_value_and_carry_nan_and_inf():
+    tensors = [
+        torch.tensor([1.0, -3.0, 2.0]),
+        torch.tensor([]),
+        torch.tensor([0.5, float("nan"), 7.0]),
+        torch.tensor([-float("inf"), 1.0]),
+        torch.tensor([[4.0, 1.0], [-2.0, 0.0]]),
+    ]
+    largest = magnitudes(tensors)
+    assert largest[0] == 3.0 and largest[1] == 0.0 and math.isnan(largest[2])
+    assert largest[3] == math.inf and largest[4] == 4.0
+
+
+def test_a_loaded_adapter_records_the_largest_magnitude_of_each_a_and_b(base, spec, tmp_path):
+    make_adapter(base, tmp_path)
+    loaded = load_lora(tmp_path, spec, MAX_RANK)
+    assert set(loaded.magnitudes) == set(loaded.weights)
+    for key, (lora_a, lora_b, _) in loaded.weights.items():
+        assert loaded.magnitudes[key] == (float(lora_a.abs().max()), float(lora_b.abs().max()))
