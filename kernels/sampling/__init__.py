@@ -1,11 +1,14 @@
-"""Greedy sampling fused for CPU (csrc/greedy_cpu.cpp, built with the other C++ kernels by kernels/cpu_native.py):
-each row's argmax and its finiteness in one pass over the logits."""
+"""Greedy sampling fused for CPU (csrc/, built with the other C++ kernels by kernels/cpu_native.py): each row's argmax
+and its finiteness in one pass over the logits (`greedy_tokens`), and the greedy tokens of an fp32 LM head screened
+by its bf16 logits, only the candidates computed in fp32 (`screened_greedy_tokens`)."""
 
 from __future__ import annotations
 
 import torch
 
 from .. import cpu_native
+
+UNDECIDED = -2  # screened_greedy_tokens: the bf16 screen held NaN or Inf; compute the row's full logits
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor | None:
@@ -15,3 +18,15 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor | None:
         return None
     native = cpu_native.load()
     return None if native is None else native.greedy_tokens_cpu(logits)
+
+
+def screened_greedy_tokens(
+    approx: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, row_norms: torch.Tensor
+) -> torch.Tensor | None:
+    """The argmax of each row of the fp32 logits hidden @ weight.T, from approx, the same logits computed in bf16:
+    only tokens whose fp32 logit can still be the row's maximum (given bf16's error bound) are computed in fp32.
+    approx [B, V] bf16 · hidden [B, H] fp32 · weight [V, H] fp32 (contiguous) · row_norms [V]: |weight[v]|.
+    Returns [B] int64: a token, -1 where the logits are not finite, UNDECIDED where approx is not; None without the
+    C++ kernels."""
+    native = cpu_native.load()
+    return None if native is None else native.screened_greedy_cpu(approx, hidden, weight, row_norms)
