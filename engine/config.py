@@ -68,6 +68,11 @@ class EngineConfig:
     cpu_threads: int | None = option(
         None, "CPU: most torch threads (default: every usable core but one, left to the server)"
     )
+    screened_greedy: bool = option(
+        True,
+        "CPU fp32 with native bf16 matmuls: greedy steps run the LM head in bf16 and recompute in fp32 only the "
+        "tokens that can still be the maximum (the same tokens, ~half the head's cost)",
+    )
     cpu_threads_adapt: bool = option(
         True, "CPU: shrink the thread team to the cores other processes leave free (checked each second)"
     )

@@ -16,8 +16,10 @@ import torch
 from adapters.base_spec import BaseModelSpec
 from adapters.cache import AdapterCache
 from engine.config import EngineConfig
+from engine.cpu_features import half_dtype_support
 from engine.cpu_malloc import keep_freed_memory
 from engine.cpu_threads import run_alone
+from engine.layers.greedy_head import ScreenedGreedyHead
 from engine.layers.lora_linear import LoRALinear
 from engine.layers.packed_linear import can_pack, pack_linears
 from engine.model_loader import load_model
@@ -25,6 +27,7 @@ from engine.models.arch import ModelArch
 from engine.models.llama import lora_targets
 from engine.scheduler import ScheduledBatch
 from engine.step_meta import OutputRows, StepMeta
+from kernels import cpu_native
 from kernels.lora import NO_ADAPTER, LoraMeta
 from kernels.lora.cpu_ops import keep_transposed
 from kernels.paged_attention import PagedAttentionMeta
@@ -47,6 +50,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = load_model(config.model, config.torch_dtype, config.device, config.attention_backend)
         self.arch = self.model.arch
+        self.greedy_head = self._greedy_head()
         if can_pack(self.device, config.torch_dtype):
             logger.info("packed %d linear layers for oneDNN", pack_linears(self.model))
         self.adapter_cache: AdapterCache | None = None
@@ -73,6 +77,18 @@ class ModelRunner:
             self.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
         )
+
+    def _greedy_head(self) -> ScreenedGreedyHead | None:
+        """The bf16-screened greedy head where it pays: an fp32 model on a CPU with native bf16 matmuls, the C++
+        kernels built (off with screened_greedy=False)."""
+        config = self.config
+        if not config.screened_greedy or self.device.type != "cpu" or config.torch_dtype != torch.float32:
+            return None
+        if not half_dtype_support("bfloat16")[0] or cpu_native.load() is None:
+            return None
+        head = ScreenedGreedyHead(self.model.lm_head.weight)
+        logger.info("greedy steps take the LM head in bf16, screened, only the candidates in fp32 (exact argmax)")
+        return head
 
     def _enable_lora(self) -> None:
         """Stacked adapter rows in an AdapterCache, and every LoRA-able linear wrapped to read them."""
@@ -211,14 +227,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Runs one step (its block copies already made). Returns logits [S, V] (fp32) for the seqs that sample, in
-        batch order, and finite [B] bool: each seq's last hidden state this step is finite. A NaN or Inf in any K or V
-        the step wrote for a seq reaches that hidden state, which attends to all of them."""
+        """Runs one step (its block copies already made). Returns the final hidden states [S, H] of the seqs that
+        sample, in batch order (`logits` or `greedy_tokens` turn them into tokens), and finite [B] bool: each seq's
+        last hidden state this step is finite. A NaN or Inf in any K or V the step wrote for a seq reaches that
+        hidden state, which attends to all of them."""
         input_ids, positions, meta, last_rows, sample_rows = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta)  # [T, H], or [B, H] when the meta names output rows
         last = hidden if meta.output_rows is not None else hidden[last_rows]  # [B, H]
         finite = torch.isfinite(last).all(dim=-1)  # [B]
-        return self.model.compute_logits(last if sample_rows is None else last[sample_rows]), finite
+        return last if sample_rows is None else last[sample_rows], finite
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, H] -> logits [S, V] fp32."""
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [S, H] -> [S] int64: the argmax of each row's fp32 logits (-1: not finite) through the screened
+        head; None without one, or where it cannot decide: then take `logits`."""
+        return None if self.greedy_head is None else self.greedy_head.tokens(hidden)
 
     @torch.inference_mode()
     def self_test(self) -> bool:

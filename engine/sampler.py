@@ -66,7 +66,7 @@ class Sampler:
             token_ids = greedy_tokens(logits)  # [B], NON_FINITE (-1) for a row with NaN or Inf: one C++ pass
             if token_ids is None:
                 token_ids = logits.argmax(dim=-1).masked_fill_(~finite_rows(logits), NON_FINITE)
-            return [SampledToken(t, NO_LOGPROB, None) for t in token_ids.tolist()]
+            return self.argmax_tokens(token_ids)
         finite = finite_rows(logits)  # [B]: the model gave the row finite logits
 
         scores = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # [B, V]
@@ -82,6 +82,22 @@ class Sampler:
             token_ids[random_idx], drawn = sample(_select_rows(scores, random_idx), [rows[i] for i in random_idx])
             finite[random_idx] &= drawn
         return with_logprobs(logits, token_ids.masked_fill_(~finite, NON_FINITE), rows)
+
+    def wants_argmax_only(self, rows: list[SamplingRow]) -> bool:
+        """Whether every row's token is its logits' argmax and nothing else of them is read (greedy, no logprobs, no
+        penalties, no min_tokens ban this step): then the tokens may come from elsewhere (`argmax_tokens`)."""
+        if not all(_is_plain_greedy(row.params) for row in rows):
+            return False
+        return not any(
+            len(row.output_token_ids) < row.params.min_tokens
+            and (row.params.stop_token_ids or (self.eos_token_ids and not row.params.ignore_eos))
+            for row in rows
+        )
+
+    @staticmethod
+    def argmax_tokens(token_ids: torch.Tensor) -> list[SampledToken]:
+        """The sampled tokens of rows that want their argmax only, from token_ids [B] (NON_FINITE: no token)."""
+        return [SampledToken(t, NO_LOGPROB, None) for t in token_ids.tolist()]
 
     def _min_tokens_bans(self, rows: list[SamplingRow], vocab_size: int) -> tuple[list[int], list[int]]:
         """(row, token) pairs to ban: stop_token_ids, and eos unless ignore_eos, while output < min_tokens."""

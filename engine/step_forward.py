@@ -67,10 +67,18 @@ class IsolatedForward:
                 num_new_tokens=[batch.num_new_tokens[i] for i in part],
                 num_prefills=sum(1 for i in part if i < batch.num_prefills),
             )
-        logits, finite = self.runner.execute(batch)  # [S, V], [B]
+        hidden, finite = self.runner.execute(batch)  # [S, H], [B]
         sampling = [rows[i] for i in part if rows[i]]
-        if any(len(r) > 1 for r in sampling):  # new samples each draw from their parent's row
-            repeat = torch.tensor([len(r) for r in sampling], device=logits.device)
-            logits = logits.repeat_interleave(repeat, dim=0)
-        tokens = iter(self.sampler(logits, [sampling_row(s) for r in sampling for s in r]))
+        sampling_rows = [sampling_row(s) for r in sampling for s in r]
+        token_ids = None
+        if len(sampling_rows) == len(sampling) and self.sampler.wants_argmax_only(sampling_rows):
+            token_ids = self.runner.greedy_tokens(hidden)  # [S], or None: no screened head, or it cannot tell
+        if token_ids is not None:
+            tokens = iter(self.sampler.argmax_tokens(token_ids))
+        else:
+            logits = self.runner.logits(hidden)  # [S, V]
+            if any(len(r) > 1 for r in sampling):  # new samples each draw from their parent's row
+                repeat = torch.tensor([len(r) for r in sampling], device=logits.device)
+                logits = logits.repeat_interleave(repeat, dim=0)
+            tokens = iter(self.sampler(logits, sampling_rows))
         return {i: (ok, [next(tokens) for _ in rows[i]]) for i, ok in zip(part, finite.tolist())}

@@ -1,0 +1,111 @@
+"""The bf16-screened greedy head (engine/layers/greedy_head.py, kernels/sampling's screen): its tokens are the argmax
+of the fp32 logits, also where bf16 alone would pick another token, and the engine's greedy tokens are the same with
+the head as without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cpu_features import half_dtype_support
+from engine.layers.greedy_head import ScreenedGreedyHead
+from engine.llm import LLM
+from engine.sampler import NON_FINITE, Sampler, SamplingRow
+from engine.sampling_params import SamplingParams
+from kernels.sampling import UNDECIDED, screened_greedy_tokens
+from tests.hf_models import make_model
+
+
+def screen(hidden: torch.Tensor, weight: torch.Tensor, approx: torch.Tensor | None = None) -> torch.Tensor:
+    if approx is None:
+        approx = hidden.bfloat16() @ weight.bfloat16().T  # [B, V]: what the bf16 head computes
+    return screened_greedy_tokens(approx, hidden, weight.contiguous(), weight.norm(dim=1))
+
+
+@pytest.mark.parametrize("vocab", [7, 16, 1003, 32000])
+def test_screened_tokens_are_the_fp32_logits_argmax(vocab, require_cpu_kernel):
+    g = torch.Generator().manual_seed(vocab)
+    hidden, weight = torch.randn(24, 64, generator=g) * 3, torch.randn(vocab, 64, generator=g) * 0.05
+    exact = hidden.double() @ weight.double().T
+    assert torch.equal(screen(hidden, weight), exact.argmax(dim=-1))
+
+
+def test_near_ties_that_bf16_gets_wrong_are_settled_in_fp32(require_cpu_kernel):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(32, 64, generator=g)
+    weight = torch.randn(500, 64, generator=g) * 0.02
+    for b in range(32):  # tokens 100 + b and 300 + b: nearly the same row, the later one 1e-3 higher in fp32
+        weight[300 + b] = weight[100 + b] = hidden[b] / hidden[b].norm() * 3.0
+        weight[300 + b] += hidden[b] / hidden[b].norm() ** 2 * 1e-3
+    exact = hidden.double() @ weight.double().T
+    approx = hidden.bfloat16() @ weight.bfloat16().T
+    assert torch.equal(exact.argmax(dim=-1), torch.arange(300, 332))
+    assert not torch.equal(approx.float().argmax(dim=-1), exact.argmax(dim=-1))  # bf16 alone is wrong somewhere
+    assert torch.equal(screen(hidden, weight, approx), exact.argmax(dim=-1))
+
+
+def test_a_non_finite_hidden_state_gives_no_token_and_an_overflowed_screen_cannot_decide(require_cpu_kernel):
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(3, 32, generator=g), torch.randn(100, 32, generator=g)
+    hidden[1, 4] = float("nan")
+    approx = hidden.bfloat16() @ weight.bfloat16().T
+    approx[2, 7] = float("inf")
+    tokens = screen(hidden, weight, approx)
+    assert tokens[1] == NON_FINITE and tokens[2] == UNDECIDED
+    assert tokens[0] == (hidden[0].double() @ weight.double().T).argmax()
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory, tokenizer):
+    directory = tmp_path_factory.mktemp("screened")
+    hf = make_model(directory, tokenizer, "llama")
+    llm = LLM(model=str(directory), dtype="float32", device="cpu", num_kv_blocks=256, enable_prefix_caching=False)
+    return llm, hf.lm_head.weight.detach()  # the head's fp32 weight (ours is packed for oneDNN, no dense copy)
+
+
+def test_the_engine_gives_the_same_greedy_tokens_with_the_screened_head_as_without(llm, require_cpu_kernel):
+    llm, head_weight = llm
+    runner = llm.engine.runner
+    runner.greedy_head = ScreenedGreedyHead(head_weight)  # on any CPU: without native bf16 only slower
+    calls = []
+    tokens_of = runner.greedy_head.tokens
+    runner.greedy_head.tokens = lambda hidden: calls.append(hidden.shape[0]) or tokens_of(hidden)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    screened = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert calls and sum(calls) == 4 * 10  # every step's tokens came from the screened head
+    head, runner.greedy_head = runner.greedy_head, None
+    try:
+        full = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        runner.greedy_head = head
+    assert screened == full
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2)
+    calls.clear()
+    llm.generate(prompts[:1], with_logprobs)
+    assert not calls  # a row that reads its logits takes the full head
+
+
+def test_only_rows_that_read_nothing_but_their_argmax_skip_the_full_logits():
+    sampler = Sampler(eos_token_ids={2})
+
+    def row(**params) -> SamplingRow:
+        return SamplingRow(SamplingParams(temperature=0.0, **params), [5, 6], [], None)
+
+    assert sampler.wants_argmax_only([row(), row(ignore_eos=True, min_tokens=4)])
+    assert not sampler.wants_argmax_only([row(), row(min_tokens=4)])  # eos banned until 4 tokens: logits edited
+    assert not sampler.wants_argmax_only([row(stop_token_ids=[9], min_tokens=2)])
+    assert not sampler.wants_argmax_only([row(logprobs=1)])
+    assert not sampler.wants_argmax_only([row(repetition_penalty=1.2)])
+    assert not sampler.wants_argmax_only([SamplingRow(SamplingParams(temperature=0.7), [5], [], None)])
+
+
+def test_the_runner_builds_the_head_for_fp32_where_bf16_is_native_unless_turned_off(llm, require_cpu_kernel):
+    llm, _ = llm
+    native_bf16 = half_dtype_support("bfloat16")[0]
+    model = llm.engine.config.model
+    on = LLM(model=model, dtype="float32", device="cpu", num_kv_blocks=16)
+    assert (on.engine.runner.greedy_head is not None) == native_bf16
+    off = LLM(model=model, dtype="float32", device="cpu", num_kv_blocks=16, screened_greedy=False)
+    assert off.engine.runner.greedy_head is None
