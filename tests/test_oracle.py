@@ -92,7 +92,6 @@ def test_batched_greedy_generation_matches_transformers(model_pair):
         assert out.outputs[0].finish_reason == "length"
 
 
-
 def test_prompt_steps_run_the_last_layer_on_each_sequences_last_row_only(model_pair):
     """Steps with prompt tokens (chunks of long prompts beside other seqs' decodes) run the first layer's MLP on every
     token and the last layer's on one row per seq; the greedy tokens stay transformers'."""
