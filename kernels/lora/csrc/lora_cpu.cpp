@@ -96,6 +96,20 @@ void for_each_run(const int64_t* rows, const int64_t* order, int64_t num_ordered
   });
 }
 
+// f(n, row, ins, outs) for each run of `for_each_run`: ins[k] and outs[k] point at the row of `in` and of `out` of
+// the run's token k.
+template <typename In, typename Out, typename F>
+void for_each_run_rows(const int64_t* rows, const int64_t* order, int64_t num_ordered, In* in, int64_t in_stride,
+                       Out* out, int64_t out_stride, F&& f) {
+  for_each_run(rows, order, num_ordered, [&](int64_t p, int n, int64_t row) {
+    In* ins[kMaxRun];
+    Out* outs[kMaxRun];
+    token_rows(in, in_stride, order + p, n, ins);
+    token_rows(out, out_stride, order + p, n, outs);
+    f(n, row, ins, outs);
+  });
+}
+
 // out_k[c] = a[c] . x_k for the N tokens k sharing the weights a [width, h_in]; columns past `used` of each slice
 // of R are zero rows of a: 0 without reading them.
 template <int N, typename T, typename Z>
@@ -204,13 +218,11 @@ void lora_shrink_cpu(at::Tensor out, const at::Tensor& x, const at::Tensor& lora
     const T* x_ptr = x.data_ptr<T>();
     const T* a_ptr = lora_a.data_ptr<T>();
     T* out_ptr = out.data_ptr<T>();
-    for_each_run(rows, tokens, order.size(0), [&](int64_t p, int n, int64_t row) {
-      const T* xs[kMaxRun];
-      T* outs[kMaxRun];
-      token_rows(x_ptr, x_stride, tokens + p, n, xs);
-      token_rows(out_ptr, out_stride, tokens + p, n, outs);
-      shrink_tokens(n, a_ptr + row * width * h_in, xs, outs, width, h_in, rank, ranks ? ranks[row] : rank);
-    });
+    for_each_run_rows(rows, tokens, order.size(0), x_ptr, x_stride, out_ptr, out_stride,
+                      [&](int n, int64_t row, const T* const* xs, T* const* outs) {
+                        const int64_t used = ranks ? ranks[row] : rank;
+                        shrink_tokens(n, a_ptr + row * width * h_in, xs, outs, width, h_in, rank, used);
+                      });
   });
 }
 
@@ -234,13 +246,11 @@ void lora_expand_cpu(at::Tensor y, const at::Tensor& z, const at::Tensor& lora_b
     const T* z_ptr = z.data_ptr<T>();
     const T* b_ptr = lora_bt.data_ptr<T>();
     T* y_ptr = y.data_ptr<T>();
-    for_each_run(rows, tokens, order.size(0), [&](int64_t p, int n, int64_t row) {
-      const T* zs[kMaxRun];
-      T* ys[kMaxRun];
-      token_rows(z_ptr, z_stride, tokens + p, n, zs);
-      token_rows(y_ptr, y_stride, tokens + p, n, ys);
-      expand_tokens(n, b_ptr + row * rank * h_out, h_out, rank, ranks ? ranks[row] : rank, zs, ys, bounds);
-    });
+    for_each_run_rows(rows, tokens, order.size(0), z_ptr, z_stride, y_ptr, y_stride,
+                      [&](int n, int64_t row, const T* const* zs, T* const* ys) {
+                        const int64_t used = ranks ? ranks[row] : rank;
+                        expand_tokens(n, b_ptr + row * rank * h_out, h_out, rank, used, zs, ys, bounds);
+                      });
   });
 }
 
@@ -269,19 +279,16 @@ void lora_add_cpu(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, c
     const T* a_ptr = lora_a.data_ptr<T>();
     const T* b_ptr = lora_bt.data_ptr<T>();
     T* y_ptr = y.data_ptr<T>();
-    for_each_run(rows, tokens, order.size(0), [&](int64_t p, int n, int64_t row) {
-      thread_local std::vector<float> z;  // [n, S*R] of the run in hand, the thread's own
-      z.resize(kMaxRun * width);
-      const int64_t used = ranks ? ranks[row] : rank;
-      const T* xs[kMaxRun];
-      float* zs[kMaxRun];
-      T* ys[kMaxRun];
-      token_rows(x_ptr, x_stride, tokens + p, n, xs);
-      token_rows(y_ptr, y_stride, tokens + p, n, ys);
-      for (int k = 0; k < n; ++k) zs[k] = z.data() + k * width;
-      shrink_tokens(n, a_ptr + row * width * h_in, xs, zs, width, h_in, rank, used);
-      expand_tokens(n, b_ptr + row * rank * h_out, h_out, rank, used, zs, ys, bounds);
-    });
+    for_each_run_rows(rows, tokens, order.size(0), x_ptr, x_stride, y_ptr, y_stride,
+                      [&](int n, int64_t row, const T* const* xs, T* const* ys) {
+                        thread_local std::vector<float> z;  // [n, S*R] of the run in hand, the thread's own
+                        z.resize(kMaxRun * width);
+                        const int64_t used = ranks ? ranks[row] : rank;
+                        float* zs[kMaxRun];
+                        for (int k = 0; k < n; ++k) zs[k] = z.data() + k * width;
+                        shrink_tokens(n, a_ptr + row * width * h_in, xs, zs, width, h_in, rank, used);
+                        expand_tokens(n, b_ptr + row * rank * h_out, h_out, rank, used, zs, ys, bounds);
+                      });
   });
 }
 
