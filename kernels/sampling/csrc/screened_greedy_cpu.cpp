@@ -43,10 +43,12 @@ float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// |a| + the screen's bound: bound_i = scale |w_i| + kOutputBound |a_i| (scale = kProductBound |h|).
+// The screen's bound on |a_i - h . w_i|: scale |w_i| + kOutputBound |a_i| (scale = kProductBound |h|), for a vector
+// of tokens and for one.
 inline Vec bound(const Vec& a, const Vec& norm, const Vec& scale) {
   return at::vec::fmadd(scale, norm, Vec(kOutputBound) * a.abs());
 }
+inline float bound(float a, float norm, float scale) { return scale * norm + kOutputBound * std::abs(a); }
 
 int64_t screened_row(const BFloat16* approx, const float* h, const float* weight, const float* norms, int64_t vocab,
                      int64_t hidden) {
@@ -72,7 +74,7 @@ int64_t screened_row(const BFloat16* approx, const float* h, const float* weight
   for (int64_t i = body; i < vocab; ++i) {
     const float a = static_cast<float>(approx[i]);
     if (!std::isfinite(a)) return -2;
-    floor = std::max(floor, a - h_scale * norms[i] - kOutputBound * std::abs(a));
+    floor = std::max(floor, a - bound(a, norms[i], h_scale));
   }
   float best = -std::numeric_limits<float>::infinity();
   int64_t best_at = -1;
@@ -93,7 +95,7 @@ int64_t screened_row(const BFloat16* approx, const float* h, const float* weight
   }
   for (int64_t i = body; i < vocab; ++i) {
     const float a = static_cast<float>(approx[i]);
-    if (a + h_scale * norms[i] + kOutputBound * std::abs(a) >= floor && !consider(i)) return -1;
+    if (a + bound(a, norms[i], h_scale) >= floor && !consider(i)) return -1;
   }
   return best_at;
 }
