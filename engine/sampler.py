@@ -86,13 +86,7 @@ class Sampler:
     def wants_argmax_only(self, rows: list[SamplingRow]) -> bool:
         """Whether every row's token is its logits' argmax and nothing else of them is read (greedy, no logprobs, no
         penalties, no min_tokens ban this step): then the tokens may come from elsewhere (`argmax_tokens`)."""
-        if not all(_is_plain_greedy(row.params) for row in rows):
-            return False
-        return not any(
-            len(row.output_token_ids) < row.params.min_tokens
-            and (row.params.stop_token_ids or (self.eos_token_ids and not row.params.ignore_eos))
-            for row in rows
-        )
+        return all(_is_plain_greedy(row.params) and not self._banned_now(row) for row in rows)
 
     @staticmethod
     def argmax_tokens(token_ids: torch.Tensor) -> list[SampledToken]:
@@ -104,15 +98,20 @@ class Sampler:
         ban_rows: list[int] = []
         ban_tokens: list[int] = []
         for i, row in enumerate(rows):
-            if len(row.output_token_ids) >= row.params.min_tokens:
-                continue
-            stop_ids = set(row.params.stop_token_ids)
-            if not row.params.ignore_eos:
-                stop_ids |= self.eos_token_ids
-            stop_ids = [t for t in stop_ids if 0 <= t < vocab_size]
+            stop_ids = [t for t in self._banned_now(row) if 0 <= t < vocab_size]
             ban_rows += [i] * len(stop_ids)
             ban_tokens += stop_ids
         return ban_rows, ban_tokens
+
+    def _banned_now(self, row: SamplingRow) -> set[int]:
+        """The tokens the row may not sample this step: stop_token_ids, and eos unless ignore_eos, while its output is
+        shorter than min_tokens; none after."""
+        if len(row.output_token_ids) >= row.params.min_tokens:
+            return set()
+        stop_ids = set(row.params.stop_token_ids)
+        if not row.params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        return stop_ids
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:
