@@ -10,13 +10,9 @@ packed fp32 copy), and a bf16 copy is added: 1.5x the head's fp32 bytes on an un
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from kernels.sampling import UNDECIDED, screened_greedy_tokens
-
-logger = logging.getLogger(__name__)
 
 
 class ScreenedGreedyHead:

@@ -43,17 +43,18 @@ def attention(
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} kv heads")
     if k_cache.shape[1] != meta.block_size:
         raise ValueError(f"the cache has blocks of {k_cache.shape[1]}, the meta of {meta.block_size}")
+    decode, prefill = decode or decode_attention, prefill or prefill_attention
     num_prefill, num_decode = meta.num_prefill_tokens, meta.num_decode_seqs
     if num_prefill == 0 and num_decode == q.shape[0]:  # a decode step: no copy into a batch-wide output
-        return (decode or decode_attention)(q, k_cache, v_cache, meta, scale)
+        return decode(q, k_cache, v_cache, meta, scale)
     if num_decode == 0 and num_prefill == q.shape[0]:  # prompts only
-        return (prefill or prefill_attention)(q, k_cache, v_cache, meta, scale)
+        return prefill(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, Hq, D]
     if num_prefill:
-        out[:num_prefill] = (prefill or prefill_attention)(q, k_cache, v_cache, meta, scale)
+        out[:num_prefill] = prefill(q, k_cache, v_cache, meta, scale)
     if num_decode:
         rows = slice(num_prefill, num_prefill + num_decode)
-        out[rows] = (decode or decode_attention)(q[rows], k_cache, v_cache, meta, scale)
+        out[rows] = decode(q[rows], k_cache, v_cache, meta, scale)
     out[num_prefill + num_decode :] = 0
     return out
 
