@@ -67,18 +67,28 @@ def _settle(future: Future, result=None, error: BaseException | None = None) -> 
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
-        self._engine = engine  # owned by the engine thread; tests reach it through tests/engine_probe.py only
+    def __init__(self, build: Callable[[], LLMEngine]):
+        """Starts the engine thread, which builds the LLMEngine (`build()`: weights, KV pool, kernels) and then runs
+        it; returns once it is built, raising what building raised.
+
+        Built there, not on the calling thread: on CPU, the first thread to run a parallel torch op starts an OpenMP
+        team that keeps its threads for the life of the process, and once libgomp manages more threads than there
+        are cores, every team's threads sleep between parallel regions instead of spinning. A model loaded on the
+        gateway's worker thread left such a second team behind: the engine's steps then took 52 ms instead of 35
+        (64 sequences of the 56M Llama on 2 cores)."""
+        self._engine: LLMEngine  # owned by the engine thread; tests reach it through tests/engine_probe.py only
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (callable, Future) run on the engine thread
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
         self._stop_reason = "it was shut down"
-        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        built: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(build, built), name="loraplex-engine", daemon=True)
         self._thread.start()
+        built.result()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        return cls(LLMEngine(config))
+        return cls(lambda: LLMEngine(config))
 
     # ---- read-only facts -----------------------------------------------------------------------------
     @property
@@ -95,7 +105,15 @@ class AsyncEngine:
         return self._thread.is_alive() and not self._stopped.is_set()
 
     # ---- the engine thread ---------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], LLMEngine], built: Future) -> None:
+        try:
+            self._engine = build()
+        except BaseException as e:
+            self._stop_reason = f"building the engine failed: {e!r}"
+            self._stopped.set()
+            built.set_exception(e)
+            return
+        built.set_result(None)
         try:
             self._loop()
         except BaseException as e:

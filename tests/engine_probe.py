@@ -6,12 +6,18 @@ Nothing outside tests/ may do this: the gateway uses AsyncEngine's verbs only. R
 
 from __future__ import annotations
 
+import threading
+
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 
 
 def llm_engine(engine: AsyncEngine) -> LLMEngine:
     return engine._engine
+
+
+def engine_thread(engine: AsyncEngine) -> threading.Thread:
+    return engine._thread
 
 
 def kill_engine_thread(engine: AsyncEngine) -> None:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm import LLM
+from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
+from tests.engine_probe import engine_thread
 from tests.hf_models import make_model
 
 
@@ -92,3 +95,27 @@ def test_bad_request_fails_alone(async_engine):
     good, bad = asyncio.run(main())
     assert isinstance(bad, ValueError) and "empty" in str(bad)
     assert len(good[0]) >= 1 and good[2].finished
+
+
+def test_the_engine_is_built_and_stepped_on_its_own_thread(model_dir):
+    """Built on the engine thread, so on CPU its OpenMP team is the only one in the process (a second, left by the
+    thread that loaded the model, makes every team sleep between parallel regions)."""
+    threads = []
+
+    def build() -> LLMEngine:
+        threads.append(threading.current_thread())
+        return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=64))
+
+    engine = AsyncEngine(build)
+    try:
+        assert threads == [engine_thread(engine)] and threads[0] is not threading.current_thread()
+        stepped = asyncio.run(collect(engine, EngineRequest("t", [5, 6], SamplingParams(temperature=0, max_tokens=2))))
+        assert len(stepped[0]) == 2
+    finally:
+        engine.shutdown()
+
+
+def test_a_failed_build_raises_to_the_caller(tmp_path):
+    """What building raises on the engine thread (here: no such model) reaches the caller of the constructor."""
+    with pytest.raises(FileNotFoundError, match="missing-model"):
+        AsyncEngine(lambda: LLMEngine(EngineConfig(model=str(tmp_path / "missing-model"), device="cpu")))

@@ -192,7 +192,7 @@ async def collect(engine: AsyncEngine, request: EngineRequest) -> list[int]:
 def test_through_the_async_engine_the_bad_stream_raises_and_the_engine_lives_on(model, clean):
     _, loras = model
     expected, nan_token, raise_token = clean
-    engine = AsyncEngine(make_engine(model))
+    engine = AsyncEngine(lambda: make_engine(model))
     poison(llm_engine(engine), nan_token=nan_token, raise_token=raise_token)
     requests = [
         EngineRequest("nan", [5, nan_token], RANDOM),
@@ -217,7 +217,7 @@ def test_through_the_async_engine_the_bad_stream_raises_and_the_engine_lives_on(
 
 def test_a_fault_nobody_can_be_blamed_for_stops_the_engine_and_every_caller_gets_engine_stopped(model, caplog):
     _, loras = model
-    engine = AsyncEngine(make_engine(model))
+    engine = AsyncEngine(lambda: make_engine(model))
 
     def dead_device(module, args):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -240,7 +240,7 @@ def test_a_fault_nobody_can_be_blamed_for_stops_the_engine_and_every_caller_gets
 
 def test_a_step_that_keeps_raising_outside_any_request_stops_the_engine(model):
     _, loras = model
-    engine = AsyncEngine(make_engine(model))
+    engine = AsyncEngine(lambda: make_engine(model))
 
     def broken_schedule():
         raise RuntimeError("scheduler bug")
