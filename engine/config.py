@@ -66,7 +66,7 @@ class EngineConfig:
         "fcfs", "admission order: fcfs, or fair across tenants (virtual token counters)", POLICIES
     )
     cpu_threads: int | None = option(
-        None, "CPU: most torch threads (default: every usable core but one, left to the server)"
+        None, "CPU: most torch threads (default: every usable core; cpu_threads_adapt gives way to other processes)"
     )
     screened_greedy: bool = option(
         True,
@@ -85,7 +85,7 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device '{self.device}' requested but CUDA is not available")
         if self.cpu_threads is None:
-            self.cpu_threads = max(1, usable_cores() - 1)
+            self.cpu_threads = usable_cores()
         if self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be positive, got {self.cpu_threads}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
