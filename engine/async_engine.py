@@ -66,6 +66,11 @@ def _settle(future: Future, result=None, error: BaseException | None = None) -> 
         pass
 
 
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
 class AsyncEngine:
     def __init__(self, build: Callable[[], LLMEngine]):
         """Starts the engine thread, which builds the LLMEngine (`build()`: weights, KV pool, kernels) and then runs
@@ -159,14 +164,19 @@ class AsyncEngine:
                 return
             failed_steps = 0
             idle = not engine.last_step_ran
-            for out in outputs:
-                self._deliver(out)
+            self._deliver(outputs)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id) if not out.finished else self._streams.pop(out.request_id, None)
-        if stream is not None:
-            loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, out.error if out.error is not None else out)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hands each stream its delta of the step: one wake-up per event loop, not one per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | Exception]]] = {}
+        for out in outputs:
+            streams = self._streams
+            stream = streams.get(out.request_id) if not out.finished else streams.pop(out.request_id, None)
+            if stream is not None:
+                loop, q = stream
+                by_loop.setdefault(loop, []).append((q, out.error if out.error is not None else out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_stream(self, request_id: str, error: Exception) -> None:
         stream = self._streams.pop(request_id, None)
