@@ -54,7 +54,8 @@ int64_t screened_row(const BFloat16* approx, const float* h, const float* weight
                      int64_t hidden) {
   const float h_norm = std::sqrt(dot(h, h, hidden));
   if (!std::isfinite(h_norm)) return -1;  // a NaN or an infinity in the hidden state reaches every logit
-  const Vec scale(kProductBound * h_norm);
+  const float h_scale = kProductBound * h_norm;
+  const Vec scale(h_scale);
   constexpr int64_t kLanes = Vec::size();
   const int64_t body = vocab / kLanes * kLanes;
   Vec lowest(-std::numeric_limits<float>::infinity()), poison(0.f);
@@ -67,10 +68,7 @@ int64_t screened_row(const BFloat16* approx, const float* h, const float* weight
   poison.store(lane);
   for (int64_t l = 0; l < kLanes; ++l)
     if (lane[l] != 0.f) return -2;
-  lowest.store(lane);
-  float floor = -std::numeric_limits<float>::infinity();
-  for (int64_t l = 0; l < kLanes; ++l) floor = std::max(floor, lane[l]);
-  const float h_scale = kProductBound * h_norm;
+  float floor = lowest.reduce_max();
   for (int64_t i = body; i < vocab; ++i) {
     const float a = static_cast<float>(approx[i]);
     if (!std::isfinite(a)) return -2;
