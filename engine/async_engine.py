@@ -169,8 +169,8 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hands each stream its delta of the step: one wake-up per event loop, not one per request."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | Exception]]] = {}
+        streams = self._streams
         for out in outputs:
-            streams = self._streams
             stream = streams.get(out.request_id) if not out.finished else streams.pop(out.request_id, None)
             if stream is not None:
                 loop, q = stream
