@@ -16,7 +16,6 @@ import torch
 from adapters.base_spec import BaseModelSpec
 from adapters.cache import AdapterCache
 from engine.config import EngineConfig
-from engine.cpu_features import half_dtype_support
 from engine.cpu_malloc import keep_freed_memory
 from engine.cpu_threads import run_alone
 from engine.layers.greedy_head import ScreenedGreedyHead
@@ -84,7 +83,7 @@ class ModelRunner:
         config = self.config
         if not config.screened_greedy or self.device.type != "cpu" or config.torch_dtype != torch.float32:
             return None
-        if not half_dtype_support("bfloat16")[0] or cpu_native.load() is None:
+        if not can_pack(self.device, torch.bfloat16) or cpu_native.load() is None:  # its bf16 head is packed
             return None
         head = ScreenedGreedyHead(self.model.lm_head.weight)
         logger.info("greedy steps take the LM head in bf16, screened, only the candidates in fp32 (exact argmax)")
