@@ -73,6 +73,11 @@ class EngineConfig:
         "CPU fp32 with native bf16 matmuls: greedy steps run the LM head in bf16 and recompute in fp32 only the "
         "tokens that can still be the maximum (the same tokens, ~half the head's cost)",
     )
+    decode_stack: bool = option(
+        True,
+        "CPU: a decode-only step runs the decoder layers in one C++ call (the same kernels and results as the "
+        "layer-by-layer forward, without its per-op Python cost, the GIL released)",
+    )
     cpu_threads_adapt: bool = option(
         True, "CPU: shrink the thread team to the cores other processes leave free (checked each second)"
     )

@@ -18,6 +18,7 @@ from adapters.cache import AdapterCache
 from engine.config import EngineConfig
 from engine.cpu_malloc import keep_freed_memory
 from engine.cpu_threads import run_alone
+from engine.layers.decode_stack import DecodeStack
 from engine.layers.greedy_head import ScreenedGreedyHead
 from engine.layers.lora_linear import LoRALinear
 from engine.layers.packed_linear import can_pack, pack_linears
@@ -70,6 +71,10 @@ class ModelRunner:
         )
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        if config.decode_stack and self.device.type == "cpu":
+            self.model.model.decode_stack = DecodeStack.build(self.model)
+            if self.model.model.decode_stack is not None:
+                logger.info("decode steps run the %d decoder layers in one C++ call", self.arch.num_layers)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             self.num_blocks,

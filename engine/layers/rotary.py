@@ -53,12 +53,17 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq)  # [P, D/2]
         return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
+    def table(self, device: torch.device) -> torch.Tensor:
+        """[max_position, D] fp32 on `device`: cos | sin halves of each position."""
+        if self.cos_sin is None or self.cos_sin.device != device:
+            self.cos_sin = self._build(device)
+        return self.cos_sin
+
     def forward(self, positions: torch.Tensor) -> Rope:
         """The step's Rope: cos, sin for each position, [T, 1, D/2] each (fp32), and the table they come from."""
-        if self.cos_sin is None or self.cos_sin.device != positions.device:
-            self.cos_sin = self._build(positions.device)
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return Rope(positions, self.cos_sin, cos, sin)
+        table = self.table(positions.device)
+        cos, sin = table[positions].unsqueeze(1).chunk(2, dim=-1)
+        return Rope(positions, table, cos, sin)
 
 
 def rotate_heads(x: torch.Tensor, heads: int, head_dim: int, rope: Rope) -> torch.Tensor:

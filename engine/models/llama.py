@@ -118,9 +118,12 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, attention_backend) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
+        self.decode_stack = None  # the runner's DecodeStack where it applies: decode steps' layers in one C++ call
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta):
         x = self.embed_tokens(input_ids)  # [T, H]
+        if self.decode_stack is not None and self.decode_stack.takes(meta):
+            return self.decode_stack(x, positions, meta)
         rope = self.rotary(positions)  # once per step, shared by every layer
         residual = None
         *layers, last_layer = self.layers

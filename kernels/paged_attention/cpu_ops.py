@@ -26,18 +26,18 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionM
     and bfloat16 with head_dim a multiple of 16 up to 128 and at most 8 q heads per kv head, computed in fp32;
     prefill for head_dim 16, 32, 64 or 128). q: [T, Hq, D] · k_cache, v_cache: [num_blocks, block_size, Hkv, D] ·
     returns [T, Hq, D]"""
-    native = cpu_native.load()
-    if native is None or q.device.type != "cpu" or not _kernel_takes(q, k_cache):
+    native, group = cpu_native.load(), q.shape[1] // k_cache.shape[2]
+    if native is None or q.device.type != "cpu" or not kernel_takes(q.dtype, q.shape[2], group):
         return torch_ops.attention(q, k_cache, v_cache, meta, scale)
     prefill = partial(_prefill, native) if q.shape[2] in PREFILL_HEAD_DIMS else None
     return torch_ops.attention(q, k_cache, v_cache, meta, scale, decode=partial(_decode, native), prefill=prefill)
 
 
-def _kernel_takes(q: Tensor, k_cache: Tensor) -> bool:
-    if q.dtype == torch.float32:
+def kernel_takes(dtype: torch.dtype, head_dim: int, group: int) -> bool:
+    """Whether the C++ decode kernel takes q of `dtype`, heads of head_dim, `group` q heads per kv head."""
+    if dtype == torch.float32:
         return True
-    head_dim, group = q.shape[2], q.shape[1] // k_cache.shape[2]
-    return q.dtype == torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 128 and group <= 8
+    return dtype == torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 128 and group <= 8
 
 
 def _prefill(native, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMeta, scale: float) -> Tensor:
