@@ -3,11 +3,14 @@
 A step's flat batch of T tokens holds the prefill tokens first (sequence after sequence; a prefill may be a
 chunk continuing a prompt already partly in the cache), then exactly one token per decode sequence, then
 optional padding tokens (slot -1). Besides what the Triton kernels read, `build` precomputes the gather
-indices and masks of the torch path, so that a layer builds no index and runs no Python loop.
+indices and masks of the torch path (its decode groups on first use), so that a layer builds no index and runs no
+Python loop.
 """
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -57,7 +60,16 @@ class PagedAttentionMeta:
     # Per-sequence prefill (torch path) when padding would waste work: lengths differ or a prefix is
     # cached. None: every prefill has the same length and no cached prefix, so one padded batch is exact.
     prefill_seqs: list[PrefillSeq] | None
-    decode_groups: list[DecodeGroup]  # decode seqs sorted by context length, split under DECODE_GROUP_KEYS
+    # decode seqs sorted by context length, split under DECODE_GROUP_KEYS: made on first use (`decode_groups`), as
+    # only the torch path reads them and a C++ or Triton kernel's step would pay for them every step
+    make_decode_groups: Callable[[], list[DecodeGroup]]
+    _decode_groups: list[DecodeGroup] | None = None
+
+    @property
+    def decode_groups(self) -> list[DecodeGroup]:
+        if self._decode_groups is None:
+            self._decode_groups = self.make_decode_groups()
+        return self._decode_groups
 
     @property
     def num_prefill_seqs(self) -> int:
@@ -113,7 +125,7 @@ class PagedAttentionMeta:
             store_slots=dev(store_slots),
             prefill_kv_blocks=dev(p_tables[:, : -(-max_p_ctx // block_size)].flatten()),
             prefill_seqs=prefill_seqs,
-            decode_groups=_decode_groups(decode_context_lens, d_tables, block_size, dev),
+            make_decode_groups=partial(_decode_groups, decode_context_lens, d_tables, block_size, dev),
         )
 
 
