@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
 from adapters.base_spec import BaseModelSpec
@@ -150,8 +149,8 @@ class ModelRunner:
     def _prepare(self, batch: ScheduledBatch):
         bs = self.block_size
         input_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
+        positions: list[int] = []
+        slots: list[int] = []
         last_rows: list[int] = []  # each seq's last token in the flat batch
         sample_rows: list[int] = []  # which seqs sample, as indices into last_rows
         token_adapter_idx: list[int] = []
@@ -159,9 +158,9 @@ class ModelRunner:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids.extend(seq.token_ids[start:end])
-            pos = np.arange(start, end)
-            positions.append(pos)
-            slots.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)
+            table = seq.block_table
+            positions.extend(range(start, end))
+            slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
             q_lens.append(n)
             token_adapter_idx += [seq.adapter_idx] * n
             context_lens.append(end)
@@ -171,7 +170,7 @@ class ModelRunner:
             last_rows.append(len(input_ids) - 1)
         p = batch.num_prefills
         attn = PagedAttentionMeta.build(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             block_size=bs,
             prefill_q_lens=q_lens[:p],
             prefill_context_lens=context_lens[:p],
@@ -181,7 +180,7 @@ class ModelRunner:
             device=self.device,
         )
         input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
-        positions_t = torch.from_numpy(np.concatenate(positions)).to(self.device)  # [T]
+        positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
         last_rows_t = torch.tensor(last_rows, dtype=torch.long, device=self.device)  # [B]
         sample_rows_t = None  # every seq samples (all decodes, or whole prompts)
         if len(sample_rows) < len(last_rows):
