@@ -37,17 +37,17 @@ class DecodeStack:
         """model: a LlamaForCausalLM whose layers `build` checked."""
         inner = model.model
         self.op = op
-        self.layers = list(inner.layers)
+        layers = list(inner.layers)
         self.attention = model.attention_layers()
         self.rotary = inner.rotary
         self.final_norm = inner.norm.weight
         first = self.attention[0]
         self.num_heads, self.num_kv_heads, self.scale = first.num_heads, first.num_kv_heads, first.scale
         self.eps = inner.norm.eps
-        projections = [[_projection(layer, name) for name in MODULES] for layer in self.layers]
+        projections = [[_projection(layer, name) for name in MODULES] for layer in layers]
         base = [[p.base if isinstance(p, LoRALinear) else p for p in layer] for layer in projections]
-        self.input_norms = [layer.input_layernorm.weight for layer in self.layers]
-        self.post_norms = [layer.post_attention_layernorm.weight for layer in self.layers]
+        self.input_norms = [layer.input_layernorm.weight for layer in layers]
+        self.post_norms = [layer.post_attention_layernorm.weight for layer in layers]
         self.qkv, self.o, self.gate_up, self.down = ([layer[m].packed_weight for layer in base] for m in range(4))
         self.qkv_bias = [layer[0].bias for layer in base]
         # 4 per layer, in MODULES' order: the LoRALinear, or None for a projection without adapters
@@ -67,14 +67,11 @@ class DecodeStack:
         return cls(model, op)
 
     def takes(self, meta: StepMeta) -> bool:
-        """Whether this step is one the op runs: decode tokens only, each stored, and adapters (if any) on the C++
-        LoRA kernels."""
+        """Whether this step is one the op runs: decode tokens only, one per sequence, each stored."""
         attn = meta.attn
         if attn.num_prefill_tokens or meta.output_rows is not None or attn.store_token_idx is not None:
             return False
-        if attn.num_decode_seqs != attn.slot_mapping.shape[0]:  # padding tokens
-            return False
-        return meta.lora is None or not meta.lora.has_lora or all(p is not None for p in self.lora)
+        return attn.num_decode_seqs == attn.slot_mapping.shape[0]  # no padding tokens
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         """x: [T, H] the step's embeddings (overwritten: the residual stream) -> [T, H] final hidden states."""
@@ -82,8 +79,8 @@ class DecodeStack:
         if lora is None or not lora.has_lora:
             lora_a, lora_bt, idx, order, ranks = [], [], None, None, None
         else:
-            lora_a = [p.lora_a for p in self.lora]
-            lora_bt = [transposed(p.lora_b) for p in self.lora]
+            lora_a = [None if p is None else p.lora_a for p in self.lora]
+            lora_bt = [None if p is None else transposed(p.lora_b) for p in self.lora]
             idx, order, ranks = lora.token_adapter_idx, lora.sorted_token_idx, lora.row_ranks
         return self.op(
             x,
