@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import GIL_SWITCH_INTERVAL_S, AsyncEngine
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
@@ -119,3 +120,17 @@ def test_a_failed_build_raises_to_the_caller(tmp_path):
     """What building raises on the engine thread (here: no such model) reaches the caller of the constructor."""
     with pytest.raises(FileNotFoundError, match="missing-model"):
         AsyncEngine(lambda: LLMEngine(EngineConfig(model=str(tmp_path / "missing-model"), device="cpu")))
+
+
+@pytest.mark.parametrize("before", [0.005, 0.0001])
+def test_the_engine_thread_gets_the_gil_back_within_half_a_millisecond(model_dir, before):
+    """The switch interval drops to GIL_SWITCH_INTERVAL_S (from Python's default 5 ms) so the engine thread waits
+    little for the event loop after a GIL-free decode step; a shorter one set by the host process is kept."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(before)
+    try:
+        engine = AsyncEngine.from_config(EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=16))
+        engine.shutdown()
+        assert sys.getswitchinterval() == pytest.approx(min(before, GIL_SWITCH_INTERVAL_S))
+    finally:
+        sys.setswitchinterval(previous)
