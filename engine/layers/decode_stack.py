@@ -138,6 +138,8 @@ def _unsupported(model: nn.Module) -> str | None:
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if any(norm.weight.dtype != dtype for norm in norms):
             return "norm weights of another dtype"
+        if any(norm.eps != model.model.norm.eps for norm in norms):  # the op takes one eps for every norm
+            return "norms with different eps"
         for name in MODULES:
             projection = _projection(layer, name)
             if isinstance(projection, LoRALinear):
