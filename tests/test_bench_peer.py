@@ -159,9 +159,12 @@ def test_latency_runs_the_server_and_the_offline_engine_on_the_same_requests(mod
 
     base, adapters = model
     argv = ["--model", str(base), *(f"--lora={n}={p}" for n, p in adapters), "--threads", "1"]
-    argv += ["--num-prompts", "4", "--input-len", "8", "--output-len", "6", "--runs", "1", "--concurrency", "2,1"]
+    argv += ["--num-prompts", "4", "--input-len", "8", "--output-len", "6", "--runs", "2", "--concurrency", "2,1"]
     result = latency.main([*argv, "--result-dir", str(tmp_path)])
     assert [run["concurrency"] for run in result["runs"]] == [1, 2]
+    assert len(result["runs"][0]["throughputs"]) == 1  # the top concurrency alone runs --runs times
+    top = result["runs"][-1]
+    assert len(top["throughputs"]) == 2 and top["output_throughput"] == max(top["throughputs"])  # the upper median
     for run in result["runs"]:
         assert run["completed"] == 4 and run["failed"] == 0 and run["total_output_tokens"] == 4 * 6
         assert 0 < run["ttft_ms"]["p50"] <= run["e2e_ms"]["p50"] and run["tpot_ms"]["p50"] > 0
