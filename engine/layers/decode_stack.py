@@ -44,7 +44,7 @@ class DecodeStack:
         first = self.attention[0]
         self.num_heads, self.num_kv_heads, self.scale = first.num_heads, first.num_kv_heads, first.scale
         self.eps = inner.norm.eps
-        projections = [[_projection(layer, name) for name in MODULES] for layer in layers]
+        projections = [_projections(model, i) for i in range(len(layers))]
         base = [[p.base if isinstance(p, LoRALinear) else p for p in layer] for layer in projections]
         self.input_norms = [layer.input_layernorm.weight for layer in layers]
         self.post_norms = [layer.post_attention_layernorm.weight for layer in layers]
@@ -52,6 +52,7 @@ class DecodeStack:
         self.qkv_bias = [layer[0].bias for layer in base]
         # 4 per layer, in MODULES' order: the LoRALinear, or None for a projection without adapters
         self.lora = [p if isinstance(p, LoRALinear) else None for layer in projections for p in layer]
+        self.lora_a = [None if p is None else p.lora_a for p in self.lora]  # the stacks, fixed; rows change in place
         self.bounds = [slice_bounds(_output_slices(p)) for p in projections[0]]
 
     @classmethod
@@ -79,7 +80,7 @@ class DecodeStack:
         if lora is None or not lora.has_lora:
             lora_a, lora_bt, idx, order, ranks = [], [], None, None, None
         else:
-            lora_a = [None if p is None else p.lora_a for p in self.lora]
+            lora_a = self.lora_a
             lora_bt = [None if p is None else transposed(p.lora_b) for p in self.lora]
             idx, order, ranks = lora.token_adapter_idx, lora.sorted_token_idx, lora.row_ranks
         return self.op(
@@ -112,8 +113,10 @@ class DecodeStack:
         )
 
 
-def _projection(layer: nn.Module, name: str) -> nn.Module:
-    return getattr(layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp, name)
+def _projections(model: nn.Module, layer_idx: int) -> list[nn.Module]:
+    """The layer's LoRA-able projections, in MODULES' order."""
+    owners = model.lora_owners(layer_idx)
+    return [getattr(owners[name], name) for name in MODULES]
 
 
 def _output_slices(projection: nn.Module) -> tuple[int, ...]:
@@ -132,7 +135,7 @@ def _unsupported(model: nn.Module) -> str | None:
         return "q/k norm"
     if not attention_cpu_ops.kernel_takes(dtype, arch.head_dim, arch.num_heads // arch.num_kv_heads):
         return f"no C++ decode attention for {dtype} with head_dim {arch.head_dim}"
-    for layer in model.model.layers:
+    for layer_idx, layer in enumerate(model.model.layers):
         if layer.self_attn.attn.ops is not attention_cpu_ops:
             return "attention is not on the cpu backend"
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -140,8 +143,7 @@ def _unsupported(model: nn.Module) -> str | None:
             return "norm weights of another dtype"
         if any(norm.eps != model.model.norm.eps for norm in norms):  # the op takes one eps for every norm
             return "norms with different eps"
-        for name in MODULES:
-            projection = _projection(layer, name)
+        for name, projection in zip(MODULES, _projections(model, layer_idx)):
             if isinstance(projection, LoRALinear):
                 if projection.ops is not lora_cpu_ops:
                     return "LoRA is not on the cpu backend"
