@@ -6,7 +6,9 @@ Why: a team larger than the free cores stalls at every parallel region while one
 cores, so the kernel can move it away from a neighbour; it grows back when the neighbour goes.
 
 Load is read from /proc/stat (every process's busy time) minus /proc/self/stat (this process's: the engine and, in
-`loraplex serve`, the gateway beside it), over the last interval. Elsewhere (no /proc) the team stays as configured.
+`loraplex serve`, the gateway beside it), over the last interval; an interval this process spent mostly idle is
+not used (a neighbour that ran while the server waited for requests is no reason to start the next burst with
+fewer threads). Elsewhere (no /proc) the team stays as configured.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+IDLE_BELOW_CORES = 0.5  # an interval in which this process kept less than this busy on average: it was idle
 
 
 def usable_cores() -> int:
@@ -109,6 +112,10 @@ class ThreadGovernor:
         machine, own = self._read_busy()
         then, machine_then, own_then = self._last
         self._last = (now, machine, own)
+        if (own - own_then) / (now - then) < IDLE_BELOW_CORES:
+            # this process sat idle through most of the interval (a server between bursts): what other processes
+            # did then says little of the load its next steps will meet, so the next interval, from now, decides
+            return self.threads
         self.others_busy = max(0.0, (machine - machine_then) - (own - own_then)) / (now - then)
         # a neighbour using >= 0.3 of a core takes the core: our thread there would wait for it at every barrier
         free = self.cores - math.floor(self.others_busy + 0.7)

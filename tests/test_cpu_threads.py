@@ -71,6 +71,17 @@ def test_the_team_is_never_larger_than_configured_and_the_load_is_read_once_per_
     assert team.tick() == 2 and machine.reads == reads + 1
 
 
+def test_a_neighbour_seen_while_the_engine_sat_idle_does_not_shrink_the_team():
+    machine = FakeMachine()
+    team = governor(machine, max_threads=2, cores=2)
+    machine.run(30.0, others=2.0, own=0.01)  # a server waiting for requests while a batch job ran beside it
+    assert team.tick() == 2 and torch.get_num_threads() == 2
+    machine.run(1.0, others=0.0, own=2.0)  # the next burst, the job gone: the interval from the last tick decides
+    assert team.tick() == 2 and team.others_busy == pytest.approx(0.0)
+    machine.run(1.0, others=1.0, own=1.0)  # a neighbour while it works still takes its core
+    assert team.tick() == 1
+
+
 def test_without_proc_the_team_stays_as_configured():
     def unreadable():
         raise OSError("no /proc")
@@ -85,7 +96,9 @@ def test_real_busy_neighbours_on_every_core_leave_a_team_of_one():
     machine_before, own_before = busy_seconds()
     team = ThreadGovernor(max(2, cores), interval_s=0.5)
     with background_load(cores):
-        time.sleep(1.0)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:  # busy too: an interval this process spent idle is not used
+            pass
         assert team.tick() == 1
         assert team.others_busy >= 0.5 * cores
     machine_after, own_after = busy_seconds()
