@@ -12,6 +12,10 @@ from bench import BenchError
 from bench.client import error_message
 
 
+def _error(response: httpx.Response) -> str:
+    return error_message(response.status_code, response.text)
+
+
 class AdminClient:
     def __init__(self, url: str, admin_key: str | None, timeout_s: float = 60.0):
         headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
@@ -24,7 +28,7 @@ class AdminClient:
             return False
         if response.status_code not in (200, 201):
             raise BenchError(
-                f"registering adapter {name!r} at {path} failed: {error_message(response)}. The path must be a "
+                f"registering adapter {name!r} at {path} failed: {_error(response)}. The path must be a "
                 "directory the server can read, under one of its allowed adapter roots (see --adapter-dir)"
             )
         return True
@@ -32,7 +36,7 @@ class AdminClient:
     def delete(self, name: str) -> None:
         response = self._call("DELETE", f"/admin/adapters/{name}")
         if response.status_code not in (200, 202, 204, 404):
-            raise BenchError(f"deleting adapter {name!r} failed: {error_message(response)}")
+            raise BenchError(f"deleting adapter {name!r} failed: {_error(response)}")
 
     def close(self) -> None:
         self.client.close()
@@ -43,5 +47,5 @@ class AdminClient:
         except httpx.HTTPError as e:
             raise BenchError(f"{method} {self.client.base_url}{path}: {type(e).__name__}: {e}") from e
         if response.status_code in (401, 403):
-            raise BenchError(f"the server refused the admin key ({error_message(response)}); pass --admin-key")
+            raise BenchError(f"the server refused the admin key ({_error(response)}); pass --admin-key")
         return response

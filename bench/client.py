@@ -1,7 +1,9 @@
 """The target server as the benchmark sees it: its model list, and one streamed request timed.
 
 TTFT is the time to the first chunk with non-empty text; E2E the time to `data: [DONE]`; output tokens come
-from the usage chunk (`stream_options.include_usage`), else one per content chunk.
+from the usage chunk (`stream_options.include_usage`), else one per content chunk. The streams go over aiohttp
+(its C parser), as vLLM's benchmark client does: on a small machine the client shares the server's cores, and
+every core-second it spends reading chunks is one the server under test does not get.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import time
 from dataclasses import dataclass
 
+import aiohttp
 import httpx
 
 from bench import BenchError
@@ -70,7 +73,7 @@ def list_models(target: Target) -> list[dict]:
     except httpx.HTTPError as e:
         raise BenchError(f"cannot reach {url}: {type(e).__name__}: {e}") from e
     if response.status_code != 200:
-        raise BenchError(f"GET {url} failed: {error_message(response)}")
+        raise BenchError(f"GET {url} failed: {error_message(response.status_code, response.text)}")
     try:
         return list(response.json()["data"])
     except (ValueError, KeyError, TypeError) as e:
@@ -89,14 +92,14 @@ def base_and_adapters(models: list[dict], base: str | None = None) -> tuple[str,
     return base, [m["id"] for m in models if m.get("parent") == base and m["id"] != base]
 
 
-def error_message(response: httpx.Response) -> str:
+def error_message(status: int, text: str) -> str:
     """`HTTP 404: <message>` from an OpenAI error body, FastAPI's `detail`, or the start of the text."""
     try:
-        body = response.json()
+        body = json.loads(text)
         message = body["error"]["message"] if "error" in body else body["detail"]
     except (ValueError, KeyError, TypeError):
-        message = response.text[:200]
-    return f"HTTP {response.status_code}: {message}"
+        message = text[:200]
+    return f"HTTP {status}: {message}"
 
 
 def request_body(target: Target, spec: RequestSpec) -> dict:
@@ -113,7 +116,7 @@ def request_body(target: Target, spec: RequestSpec) -> dict:
     return {**body, "prompt": spec.prompt}
 
 
-async def send_request(client: httpx.AsyncClient, target: Target, spec: RequestSpec, t0: float) -> RequestRecord:
+async def send_request(client: aiohttp.ClientSession, target: Target, spec: RequestSpec, t0: float) -> RequestRecord:
     """Sends `spec` now and times it; failures (HTTP errors, timeouts, broken streams) land in the record."""
     start = time.perf_counter()
     record = RequestRecord(spec.index, spec.model, spec.prompt_len, spec.output_len, start - t0)
@@ -125,25 +128,26 @@ async def send_request(client: httpx.AsyncClient, target: Target, spec: RequestS
         record.error = f"timeout: no complete answer within {target.timeout_s:g} s"
     except RequestFailed as e:
         record.error = str(e)
-    except httpx.HTTPError as e:
+    except aiohttp.ClientError as e:
         record.error = f"{type(e).__name__}: {e}".rstrip(": ")
     record.e2e_s = time.perf_counter() - start
     return record
 
 
-async def _stream(client: httpx.AsyncClient, target: Target, spec: RequestSpec, record: RequestRecord, start: float):
+async def _stream(
+    client: aiohttp.ClientSession, target: Target, spec: RequestSpec, record: RequestRecord, start: float
+) -> None:
     url = f"{target.url}{ENDPOINTS[target.endpoint]}"
-    async with client.stream("POST", url, json=request_body(target, spec), headers=target.headers()) as response:
-        record.status = response.status_code
-        if response.status_code != 200:
-            await response.aread()
-            raise RequestFailed(error_message(response))
+    async with client.post(url, json=request_body(target, spec), headers=target.headers()) as response:
+        record.status = response.status
+        if response.status != 200:
+            raise RequestFailed(error_message(response.status, await response.text()))
         content_chunks, usage = 0, None
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
+        async for line in response.content:  # one line per iteration, b"\n" included
+            if not line.startswith(b"data:"):
                 continue
-            data = line[len("data:") :].strip()
-            if data == "[DONE]":
+            data = line[len(b"data:") :].strip()
+            if data == b"[DONE]":
                 break
             event = _parse_event(data)
             if _text(event, target.endpoint):
@@ -159,13 +163,13 @@ async def _stream(client: httpx.AsyncClient, target: Target, spec: RequestSpec, 
     record.input_tokens = int(usage["prompt_tokens"]) if usage and "prompt_tokens" in usage else None
 
 
-def _parse_event(data: str) -> dict:
+def _parse_event(data: bytes) -> dict:
     try:
         event = json.loads(data)
     except ValueError as e:
-        raise RequestFailed(f"bad stream chunk: {data[:200]!r}") from e
+        raise RequestFailed(f"bad stream chunk: {data[:200].decode(errors='replace')!r}") from e
     if not isinstance(event, dict):
-        raise RequestFailed(f"bad stream chunk: {data[:200]!r}")
+        raise RequestFailed(f"bad stream chunk: {data[:200].decode(errors='replace')!r}")
     if event.get("error"):
         error = event["error"]
         raise RequestFailed(f"error in stream: {error.get('message', error) if isinstance(error, dict) else error}")

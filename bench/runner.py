@@ -11,7 +11,7 @@ import contextlib
 import time
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 from bench.client import RequestRecord, Target, send_request
@@ -32,11 +32,11 @@ def run_requests(specs: list[RequestSpec], target: Target, limits: RunLimits) ->
 
 
 async def _run(specs: list[RequestSpec], target: Target, limits: RunLimits) -> tuple[list[RequestRecord], float]:
-    pool = httpx.Limits(max_connections=limits.max_concurrency, max_keepalive_connections=limits.max_concurrency)
+    pool = aiohttp.TCPConnector(limit=limits.max_concurrency or 0)  # 0: no limit
     gate = asyncio.Semaphore(limits.max_concurrency) if limits.max_concurrency else contextlib.nullcontext()
     records: dict[int, RequestRecord] = {}
     with tqdm(total=len(specs), desc=limits.label, unit="req", disable=not limits.show_progress) as bar:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(target.timeout_s), limits=pool) as client:
+        async with aiohttp.ClientSession(connector=pool, timeout=aiohttp.ClientTimeout(total=None)) as client:
             t0 = time.perf_counter()
 
             async def one(spec: RequestSpec) -> None:
