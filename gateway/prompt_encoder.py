@@ -38,6 +38,9 @@ class PromptEncoder:
             if least > self.max_prompt_tokens:
                 raise self._too_long(least, param, at_least=True)
 
+        if not texts:  # token ids only: no worker thread to wake
+            return []
+
         def encode_all() -> list[list[int]]:
             return [self.tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]
 

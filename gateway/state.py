@@ -40,7 +40,8 @@ class GatewayState:
         return self.database.adapters
 
 
-def get_state(request: Request) -> GatewayState:
+async def get_state(request: Request) -> GatewayState:
+    # async: FastAPI runs a plain-def dependency on a worker thread, one thread hop per request for an attribute read
     return request.app.state.gateway
 
 
