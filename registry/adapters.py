@@ -13,6 +13,7 @@ from sqlalchemy import Select, delete, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
+from registry.change_marker import SqliteDataVersion
 from registry.models import Adapter
 
 ALL_TENANTS: Final = "*"  # the admin's view: every adapter, public or owned
@@ -39,9 +40,15 @@ def split_adapter_id(model: str) -> tuple[str, str | None]:
     return (name, version) if sep and name else (model, None)
 
 
+MAX_RESOLVED = 4096  # resolved lookups kept between changes (a bound against many distinct names)
+
+
 class AdapterRegistry:
-    def __init__(self, sessions: async_sessionmaker):
+    def __init__(self, sessions: async_sessionmaker, marker: SqliteDataVersion | None = None):
         self.sessions = sessions
+        self.marker = marker  # where set, `get` keeps what it resolved until the database changes
+        self._resolved: dict[tuple[str, str | None, str | None], Adapter] = {}
+        self._resolved_at: int | None = None  # the marker's value when `_resolved` was filled
 
     @staticmethod
     def _visible(query: Select, tenant: str | None) -> Select:
@@ -71,12 +78,29 @@ class AdapterRegistry:
         return str(max((int(v) for v in versions if v.isdigit()), default=0) + 1)
 
     async def get(self, name: str, version: str | None, tenant: str | None) -> Adapter | None:
-        """The adapter `name@version` (the latest version when None) if `tenant` may see it."""
+        """The adapter `name@version` (the latest version when None) if `tenant` may see it.
+
+        With a marker, an adapter found is kept until the marker says the database changed (read before the query,
+        so a change during it only costs one more query); nothing found is not kept (unknown names stay unbounded).
+        """
+        key = (name, version, tenant)
+        marker = self.marker.read() if self.marker is not None else None
+        if marker is not None:
+            if marker != self._resolved_at:
+                self._resolved.clear()
+                self._resolved_at = marker
+            elif (adapter := self._resolved.get(key)) is not None:
+                return adapter
         query = self._visible(select(Adapter).where(Adapter.name == name), tenant)
         if version is not None:
             query = query.where(Adapter.version == version)
         async with self.sessions() as session:
-            return (await session.scalars(query.order_by(Adapter.id.desc()).limit(1))).first()
+            adapter = (await session.scalars(query.order_by(Adapter.id.desc()).limit(1))).first()
+        if adapter is not None and marker is not None and marker == self._resolved_at:
+            if len(self._resolved) >= MAX_RESOLVED:
+                self._resolved.clear()
+            self._resolved[key] = adapter
+        return adapter
 
     async def list(self, tenant: str | None, name: str | None = None, latest_only: bool = False) -> list[Adapter]:
         """Adapters `tenant` may see, by name then registration order (only each name's latest if asked)."""

@@ -12,6 +12,7 @@ from registry import db
 from registry.adapter_store import AdapterStore
 from registry.adapters import AdapterRegistry
 from registry.api_keys import ApiKeyRepository
+from registry.change_marker import change_marker
 from registry.tenants import TenantRepository
 from registry.usage import UsageRollups
 
@@ -20,7 +21,8 @@ class RegistryDatabase:
     def __init__(self, url: str | URL):
         self.engine = db.create_engine(url)
         sessions = db.sessionmaker(self.engine)
-        self.adapters = AdapterRegistry(sessions)
+        self.marker = change_marker(url)
+        self.adapters = AdapterRegistry(sessions, self.marker)
         self.store = AdapterStore(sessions)  # the adapters' files, by content digest
         self.tenants = TenantRepository(sessions)
         self.api_keys = ApiKeyRepository(sessions)
@@ -37,4 +39,6 @@ class RegistryDatabase:
             return (await connection.execute(text("SELECT version_num FROM alembic_version"))).scalar()
 
     async def close(self) -> None:
+        if self.marker is not None:
+            self.marker.close()
         await self.engine.dispose()

@@ -9,10 +9,11 @@ import multiprocessing
 from pathlib import Path
 
 import pytest
-from sqlalchemy import inspect
+from sqlalchemy import event, inspect
 
 from registry import db
 from registry.adapters import ALL_TENANTS, AdapterExists, AdapterRegistry, check_name, split_adapter_id
+from registry.change_marker import change_marker
 from registry.database import RegistryDatabase
 from registry.models import Adapter, Tenant
 from registry.tenants import TenantExists
@@ -189,3 +190,47 @@ def test_the_gateway_holds_no_sql():
             if isinstance(node, ast.Attribute) and node.attr in ("sessions", "sessionmaker", "execute", "scalars"):
                 offenders.append(f"{path.relative_to(gateway.parent)}:{node.lineno} uses .{node.attr}")
     assert not offenders, offenders
+
+
+def test_a_sqlite_registry_keeps_resolved_adapters_until_any_connection_commits(tmp_path):
+    """Two gateways on one SQLite file: lookups are answered without SQL while nothing changed, and a delete or a
+    re-register by the other one is seen by the very next lookup."""
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    db.upgrade(url)
+
+    async def scenario():
+        here, replica = RegistryDatabase(url), RegistryDatabase(url)
+        statements = []
+        event.listen(here.engine.sync_engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+        try:
+            await replica.tenants.add(Tenant(name="acme"))
+            await replica.adapters.add(row("sql", "1"))
+            await replica.adapters.add(row("mine", "1", owner="acme"))
+            assert (await here.adapters.get("sql", None, None)).digest == "sha256:sql1"
+            assert (await here.adapters.get("mine", "1", "acme")).owner == "acme"
+            queried = len(statements)
+            for _ in range(3):
+                assert (await here.adapters.get("sql", None, None)).digest == "sha256:sql1"
+                assert (await here.adapters.get("mine", "1", "acme")).owner == "acme"
+            assert len(statements) == queried  # answered from what was resolved
+            assert await here.adapters.get("mine", "1", None) is None  # another caller's view is its own lookup
+
+            await replica.adapters.delete("sql", None, ALL_TENANTS)
+            assert await here.adapters.get("sql", None, None) is None
+            swapped = row("sql", "1")
+            swapped.digest = "sha256:new-weights"
+            await replica.adapters.add(swapped)
+            assert (await here.adapters.get("sql", "1", None)).digest == "sha256:new-weights"
+            await here.adapters.delete("mine", None, ALL_TENANTS)  # this process's own writes count too
+            assert await here.adapters.get("mine", "1", "acme") is None
+        finally:
+            await here.close()
+            await replica.close()
+
+    run(scenario())
+
+
+def test_only_a_sqlite_file_has_a_change_marker():
+    assert change_marker("sqlite:///registry.db") is not None
+    for url in ("postgresql://loraplex@127.0.0.1/registry", "sqlite://", "sqlite:///:memory:"):
+        assert change_marker(url) is None, url
