@@ -26,6 +26,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cpu_threads import ThreadGovernor
 from engine.detokenizer import IncrementalDetokenizer
+from engine.gc_heap import freeze_startup_heap
 from engine.gguf_reader import is_gguf, read_gguf
 from engine.interface_types import AdapterInfo, EngineSnapshot, Tier
 from engine.model_loader import load_tokenizer
@@ -96,6 +97,7 @@ class LLMEngine:
         self.last_step_ran = False  # whether the last step() had anything to compute
         self._arrivals = 0
         torch.manual_seed(config.seed)
+        freeze_startup_heap()
 
     def _eos_token_ids(self) -> set[int]:
         """The tokenizer's eos plus any that generation_config.json lists (chat models often add one); for a GGUF
