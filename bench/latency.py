@@ -4,13 +4,14 @@ concurrency, through a real `loraplex serve` on 127.0.0.1.
     loraplex bench latency [--threads 2] [--adapters 8] [--concurrency 1,16,64] [--result-dir bench-results]
 
 The W1 workload of `bench peer` (the random 56M Llama, K random rank-8 adapters, 64 requests of 128 prompt token
-ids and 64 output tokens, greedy, ignore_eos, adapters drawn uniformly). First the offline engine runs the
-requests (python -m bench.offline_driver, median of its runs); then one `loraplex serve` (no auth, its own SQLite
-registry, the same engine options) gets the same kind of requests (fresh prompt ids each time, so no run hits the
-prefix cache) streamed over HTTP, at each concurrency in turn, after a warm-up request per adapter; the highest
-concurrency runs --runs times too, and its median run counts. Server / offline there is the gateway's whole
-overhead: HTTP, tokens to text, SSE, accounting, and requests arriving over time instead of all at once. Prints a
-table, writes latency.json and latency_vs_concurrency.png.
+ids and 64 output tokens, greedy, ignore_eos, adapters drawn uniformly). The offline engine runs the requests
+(python -m bench.offline_driver) before the server and again after it, the median of all its runs counting; in
+between one `loraplex serve` (no auth, its own SQLite registry, the same engine options) gets the same kind of
+requests (fresh prompt ids each time, so no run hits the prefix cache) streamed over HTTP, at each concurrency in
+turn, after a warm-up request per adapter; the highest concurrency runs --runs times too, and its median run
+counts. Server / offline there is the gateway's whole overhead: HTTP, tokens to text, SSE, accounting, and
+requests arriving over time instead of all at once. Prints a table, writes latency.json and
+latency_vs_concurrency.png.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -69,7 +71,7 @@ def measure(args: argparse.Namespace, levels: list[int]) -> dict:
         model, adapters, rank = prepare_model(args, Path(tmp))
         workload_file = workload.write(Path(tmp) / "workload.json", model, adapters, rank)
         body = json.loads(workload_file.read_text())
-        offline = run_offline(workload_file, args.threads, bool(adapters))
+        before = run_offline(workload_file, args.threads, bool(adapters))
         names = [name for name, _ in adapters]
         served = "bench-base"
         serve_args = [
@@ -96,6 +98,7 @@ def measure(args: argparse.Namespace, levels: list[int]) -> dict:
                     repeats.append(serve_run(specs, target, level))
                 repeats.sort(key=lambda run: run["output_throughput"])  # the median run (the upper one of two)
                 runs.append({**repeats[len(repeats) // 2], "throughputs": [r["output_throughput"] for r in repeats]})
+        offline = both_sides(before, run_offline(workload_file, args.threads, bool(adapters)))
     top = runs[-1]
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -128,7 +131,15 @@ def run_offline(workload_file: Path, threads: int, with_lora: bool) -> dict:
     command = [sys.executable, "-m", "bench.offline_driver", "--workload", str(workload_file)]
     command += ["--threads", str(threads)] + ([] if with_lora else ["--no-lora"])
     result = run_driver(command, dict(os.environ), "loraplex offline", "lora" if with_lora else "base")
-    return {k: result[k] for k in ("wall_s", "output_tok_s", "walls_s")}
+    return {k: result[k] for k in ("output_tokens", "walls_s")}
+
+
+def both_sides(before: dict, after: dict) -> dict:
+    """The offline runs before the server and after it, as one median: a machine whose speed drifts (a VM's does,
+    by several percent within minutes) moves both sides of the ratio alike."""
+    walls = before["walls_s"] + after["walls_s"]
+    wall = statistics.median(walls)
+    return {"wall_s": wall, "output_tok_s": before["output_tokens"] / wall, "walls_s": walls}
 
 
 def print_table(result: dict) -> None:

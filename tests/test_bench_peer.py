@@ -168,7 +168,7 @@ def test_latency_runs_the_server_and_the_offline_engine_on_the_same_requests(mod
     for run in result["runs"]:
         assert run["completed"] == 4 and run["failed"] == 0 and run["total_output_tokens"] == 4 * 6
         assert 0 < run["ttft_ms"]["p50"] <= run["e2e_ms"]["p50"] and run["tpot_ms"]["p50"] > 0
-    assert result["offline"]["output_tok_s"] > 0
+    assert result["offline"]["output_tok_s"] > 0 and len(result["offline"]["walls_s"]) == 4  # 2 runs before, 2 after
     expected = result["runs"][-1]["output_throughput"] / result["offline"]["output_tok_s"]
     assert result["server_over_offline"] == pytest.approx(expected)
     assert json.loads((tmp_path / "latency.json").read_text())["runs"][0]["concurrency"] == 1
