@@ -10,6 +10,7 @@ does the same.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import time
@@ -26,6 +27,7 @@ def freeze_startup_heap() -> None:
     start = time.perf_counter()
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)  # at exit, collectable again: extension types that check for leaks find none
     logger.debug(
         "froze %d startup objects out of the collector's walks (%.0f ms)",
         gc.get_freeze_count(),
