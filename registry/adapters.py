@@ -81,7 +81,7 @@ class AdapterRegistry:
         """The adapter `name@version` (the latest version when None) if `tenant` may see it.
 
         With a marker, an adapter found is kept until the marker says the database changed (read before the query,
-        so a change during it only costs one more query); nothing found is not kept (unknown names stay unbounded).
+        so a change during it only costs one more query); a miss is not kept, so unknown names cannot grow the cache.
         """
         key = (name, version, tenant)
         marker = self.marker.read() if self.marker is not None else None
