@@ -9,11 +9,7 @@ from __future__ import annotations
 import httpx
 
 from bench import BenchError
-from bench.client import error_message
-
-
-def _error(response: httpx.Response) -> str:
-    return error_message(response.status_code, response.text)
+from bench.client import response_error
 
 
 class AdminClient:
@@ -28,7 +24,7 @@ class AdminClient:
             return False
         if response.status_code not in (200, 201):
             raise BenchError(
-                f"registering adapter {name!r} at {path} failed: {_error(response)}. The path must be a "
+                f"registering adapter {name!r} at {path} failed: {response_error(response)}. The path must be a "
                 "directory the server can read, under one of its allowed adapter roots (see --adapter-dir)"
             )
         return True
@@ -36,7 +32,7 @@ class AdminClient:
     def delete(self, name: str) -> None:
         response = self._call("DELETE", f"/admin/adapters/{name}")
         if response.status_code not in (200, 202, 204, 404):
-            raise BenchError(f"deleting adapter {name!r} failed: {_error(response)}")
+            raise BenchError(f"deleting adapter {name!r} failed: {response_error(response)}")
 
     def close(self) -> None:
         self.client.close()
@@ -47,5 +43,5 @@ class AdminClient:
         except httpx.HTTPError as e:
             raise BenchError(f"{method} {self.client.base_url}{path}: {type(e).__name__}: {e}") from e
         if response.status_code in (401, 403):
-            raise BenchError(f"the server refused the admin key ({_error(response)}); pass --admin-key")
+            raise BenchError(f"the server refused the admin key ({response_error(response)}); pass --admin-key")
         return response

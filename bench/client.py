@@ -73,7 +73,7 @@ def list_models(target: Target) -> list[dict]:
     except httpx.HTTPError as e:
         raise BenchError(f"cannot reach {url}: {type(e).__name__}: {e}") from e
     if response.status_code != 200:
-        raise BenchError(f"GET {url} failed: {error_message(response.status_code, response.text)}")
+        raise BenchError(f"GET {url} failed: {response_error(response)}")
     try:
         return list(response.json()["data"])
     except (ValueError, KeyError, TypeError) as e:
@@ -100,6 +100,11 @@ def error_message(status: int, text: str) -> str:
     except (ValueError, KeyError, TypeError):
         message = text[:200]
     return f"HTTP {status}: {message}"
+
+
+def response_error(response: httpx.Response) -> str:
+    """`error_message` of a finished httpx response (the model list, the admin API)."""
+    return error_message(response.status_code, response.text)
 
 
 def request_body(target: Target, spec: RequestSpec) -> dict:
