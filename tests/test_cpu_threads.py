@@ -54,7 +54,7 @@ def test_the_team_shrinks_to_the_free_cores_and_grows_back_when_the_neighbour_go
     machine = FakeMachine()
     team = governor(machine, max_threads=4, cores=4)
     assert team.threads == torch.get_num_threads() == 4
-    for others, expected in [(0.1, 4), (2.0, 2), (1.4, 2), (3.9, 1), (8.0, 1), (0.0, 4)]:
+    for others, expected in [(0.1, 4), (2.0, 2), (1.4, 3), (1.6, 2), (3.9, 1), (8.0, 1), (0.0, 4)]:
         machine.run(1.0, others=others, own=4.0 - min(others, 3.0))
         assert team.tick() == expected, others
         assert torch.get_num_threads() == expected
@@ -80,6 +80,21 @@ def test_a_neighbour_seen_while_the_engine_sat_idle_does_not_shrink_the_team():
     assert team.tick() == 2 and team.others_busy == pytest.approx(0.0)
     machine.run(1.0, others=1.0, own=1.0)  # a neighbour while it works still takes its core
     assert team.tick() == 1
+
+
+def test_a_part_time_neighbour_keeps_the_team_and_a_full_time_one_takes_its_core():
+    machine = FakeMachine()
+    team = governor(machine, max_threads=2, cores=2)
+    # what a team of 2 sees beside a process busy 30%, 50% and 70% of its time (measured): the team stays
+    for part_time in (0.22, 0.34, 0.42):
+        machine.run(1.0, others=part_time, own=2.0 - part_time)
+        assert team.tick() == 2, part_time
+    machine.run(1.0, others=0.64, own=1.36)  # a process busy all the time, seen while contending with the team
+    assert team.tick() == 1
+    machine.run(1.0, others=0.9, own=1.0)  # seen by the team of 1: it still takes its core
+    assert team.tick() == 1
+    machine.run(1.0, others=0.3, own=1.0)  # it went part-time: the team grows back
+    assert team.tick() == 2
 
 
 def test_without_proc_the_team_stays_as_configured():
