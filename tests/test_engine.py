@@ -7,6 +7,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm import LLM
+from engine.llm_engine import STEP_TRACE_LEN
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 from tests.hf_models import make_model
@@ -276,3 +277,20 @@ def test_cpu_attention_is_the_cpp_decode_kernel_where_it_builds(model_dir, cpu_k
     assert EngineConfig(model=str(model_dir), device="cpu", dtype="bfloat16").attention_backend == expected
     assert EngineConfig(model=str(model_dir), device="cpu", dtype="float16").attention_backend == "torch"
     assert EngineConfig(model=str(model_dir), device="cpu", attention_backend="torch").attention_backend == "torch"
+
+
+def test_a_long_running_engine_keeps_only_its_last_steps_in_the_trace(llm):
+    engine = llm.engine
+    prompt = prompts(engine.runner.arch.vocab_size, 1)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    first = engine.stats.num_steps
+    for i in range(3):  # one after another: ~600 steps
+        engine.add_request(EngineRequest(f"long-{i}", prompt, params))
+        while engine.has_unfinished:
+            engine.step()
+    assert engine.stats.num_steps - first > STEP_TRACE_LEN
+    assert len(engine.step_trace) == STEP_TRACE_LEN
+    assert [r.step for r in engine.step_trace] == list(
+        range(engine.stats.num_steps - STEP_TRACE_LEN + 1, engine.stats.num_steps + 1)
+    )
+    assert "long-2" in engine.step_trace[-1].finished
