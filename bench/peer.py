@@ -1,6 +1,6 @@
 """`loraplex bench peer`: loraplex against vLLM-CPU on the same offline workload, in one window, as ratios.
 
-    loraplex bench peer [--vllm-venv /tmp/peers/vllm-venv] [--threads 2] [--background-load 1]
+    loraplex bench peer [--vllm-venv /tmp/peers/vllm-venv] [--threads 2] [--background-load 1 [--background-duty 0.5]]
                         [--modes base,lora] [--adapters 8] [--model DIR --lora NAME=PATH ...]
                         [--max-loras 16 --max-cpu-loras 32]      (fewer adapter rows than adapters)
                         [--dtype bfloat16]                       (both engines; float32 by default)
@@ -11,7 +11,8 @@ all seven linear modules, 64 requests of 128 random prompt ids, 64 greedy output
 request's adapter drawn uniformly; one untimed warm-up, then --runs timed runs with fresh prompts; the median
 counts. Each system runs in its own process (python -m bench.offline_driver; VENV/bin/python
 bench/vllm_driver.py), the two interleaved mode by mode, with --threads threads each (vLLM's bound to cores
-0..threads-1) and --background-load busy processes running beside both the whole time. vLLM is never installed
+0..threads-1) and --background-load busy processes running beside both the whole time (each busy
+--background-duty of every 10 ms: 1, all the time, by default). vLLM is never installed
 here: without --vllm-venv only loraplex runs.
 """
 
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--fixed-threads", action="store_true", help="loraplex keeps --threads under load (default: adapts)"
     )
     parser.add_argument("--background-load", type=int, default=0, help="busy processes beside (%(default)s)")
+    parser.add_argument(
+        "--background-duty", type=float, default=1.0, help="share of the time each one is busy (%(default)s)"
+    )
     parser.add_argument("--modes", default="base,lora", help="base, lora or both (%(default)s)")
     add_model_options(parser)
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -92,7 +96,7 @@ def compare(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="loraplex-peer-") as tmp:
         model, adapters, rank = prepare_model(args, Path(tmp))
         workload_file = workload.write(Path(tmp) / "workload.json", model, adapters, rank)
-        with background_load(args.background_load):
+        with background_load(args.background_load, args.background_duty):
             for mode in modes:
                 if not args.skip_loraplex:
                     results.append(run_loraplex(workload_file, mode, args.threads, args.fixed_threads))
@@ -201,6 +205,7 @@ def summarize(results: list[dict], args: argparse.Namespace, workload: PeerWorkl
         "machine": f"{usable_cores()} usable cores",
         "threads": args.threads,
         "background_load": args.background_load,
+        "background_duty": args.background_duty,
         "loraplex_threads": "fixed" if args.fixed_threads else "adaptive",
         "workload": {**asdict(workload), "adapters": len(args.lora) if args.model else args.adapters},
         "results": results,
@@ -209,7 +214,10 @@ def summarize(results: list[dict], args: argparse.Namespace, workload: PeerWorkl
 
 
 def print_summary(summary: dict) -> None:
-    print(f"\nthreads {summary['threads']}, background load {summary['background_load']} busy process(es)")
+    load = f"{summary['background_load']} busy process(es)"
+    if summary["background_load"] and summary["background_duty"] < 1:
+        load += f", {100 * summary['background_duty']:.0f}% of the time"
+    print(f"\nthreads {summary['threads']}, background load {load}")
     print(f"{'system':<12}{'mode':<6}{'tok/s':>10}{'median s':>10}")
     for r in summary["results"]:
         print(f"{r['system_name']:<12}{r['mode']:<6}{r['output_tok_s']:>10.1f}{r['wall_s']:>10.2f}")

@@ -85,6 +85,19 @@ def test_background_load_keeps_busy_processes_running_and_stops_them():
     assert all(p.poll() is not None for p in spinners)
     with pytest.raises(ValueError, match="0 or more"), background_load(-1):
         pass
+    with pytest.raises(ValueError, match="duty"), background_load(1, duty=0.0):
+        pass
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_part_time_background_load_keeps_its_share_of_a_core():
+    with background_load(1, duty=0.3) as spinners:
+        time.sleep(0.5)
+        before, start = _cpu_ticks(spinners[0].pid), time.monotonic()
+        time.sleep(2.0)
+        busy = (_cpu_ticks(spinners[0].pid) - before) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - start)
+    assert 0.1 < busy < 0.6, busy  # 0.3 of a core, give or take a busy machine's scheduling
+    assert spinners[0].poll() is not None
 
 
 def test_loraplex_driver_runs_every_run_with_its_adapters(workload_file, capsys):
