@@ -27,7 +27,7 @@ import torch
 logger = logging.getLogger(__name__)
 TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 IDLE_BELOW_CORES = 0.5  # an interval in which this process kept less than this busy on average: it was idle
-# Other processes' busy time, per core they are charged with, from which they take that core from the team. Measured
+# How much of a core other processes must be seen using (beyond whole cores) to take that core from the team. Measured
 # on 2 cores (W1 LoRA workload, a team of 2 against a team of 1): a neighbour running all the time shows as only
 # ~0.64 of a core while the team contends with it (the kernel shares 2 cores among 3 threads) and a team of 1 is then
 # 1.2-1.3x faster; one busy 70% of its time shows as 0.42 and a team of 2 stays 1.1x faster, at 50% (0.34) 1.2x,
