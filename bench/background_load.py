@@ -15,16 +15,16 @@ import sys
 from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
-SPIN = "while True: pass"
-# spins for duty * 10 ms, sleeps for the rest of each 10 ms
-SPIN_PART_TIME = """
+# spins for duty * 10 ms and sleeps for the rest of each 10 ms (never, at duty 1)
+SPIN = """
 import sys, time
 busy = float(sys.argv[1]) * 0.01
 while True:
     start = time.perf_counter()
     while time.perf_counter() - start < busy:
         pass
-    time.sleep(0.01 - busy)
+    if busy < 0.01:
+        time.sleep(0.01 - busy)
 """
 
 
@@ -35,8 +35,7 @@ def background_load(processes: int, duty: float = 1.0) -> Iterator[list[subproce
         raise ValueError(f"background load must be 0 or more processes, got {processes}")
     if not 0.0 < duty <= 1.0:
         raise ValueError(f"background load duty must be in (0, 1], got {duty}")
-    command = [sys.executable, "-c", SPIN] if duty == 1.0 else [sys.executable, "-c", SPIN_PART_TIME, str(duty)]
-    spinners = [subprocess.Popen(command) for _ in range(processes)]
+    spinners = [subprocess.Popen([sys.executable, "-c", SPIN, str(duty)]) for _ in range(processes)]
     if spinners:
         logger.info(
             "background load: %d busy process(es), %.0f%% of the time, pids %s",
