@@ -37,3 +37,10 @@ def half_dtype_support(dtype: str, flags: frozenset[str] | None = None) -> tuple
     if not flags:
         return False, "the CPU's flags could not be read"
     return False, f"the CPU has none of {', '.join(wanted)} ({dtype} matmuls run ~20x slower per FLOP than float32)"
+
+
+def avx2_without_avx512(flags: frozenset[str] | None = None) -> bool:
+    """Whether this is an AVX2 + FMA CPU without AVX-512: where oneDNN's fp32 GEMM leaves about a third of the FMA
+    peak at decode shapes and kernels/linear's panel kernel runs them 1.1-1.2x faster (PackedLinear picks it)."""
+    flags = cpu_flags() if flags is None else flags
+    return {"avx2", "fma"} <= flags and "avx512f" not in flags

@@ -51,7 +51,7 @@ class ModelRunner:
         self.arch = self.model.arch
         self.greedy_head = self._greedy_head()
         if can_pack(self.device, config.torch_dtype):
-            logger.info("packed %d linear layers for oneDNN", pack_linears(self.model))
+            pack_linears(self.model)
         self.adapter_cache: AdapterCache | None = None
         if config.enable_lora:
             self._enable_lora()

@@ -1,6 +1,7 @@
 """The C++ CPU kernels (paged_attention/csrc: the paged decode attention; lora/csrc: batched LoRA shrink and
 expand; fused/csrc: RMSNorm, SiLU * up and rotary embedding, each fused; sampling/csrc: greedy argmax with the
-finiteness check), one extension built once per machine on first use, its ops under torch.ops.loraplex.
+finiteness check; linear/csrc: the fp32 linear on AVX2 CPUs; decode_stack/csrc: a decode step's layers), one
+extension built once per machine on first use, its ops under torch.ops.loraplex.
 
 torch.utils.cpp_extension compiles it with the machine's C++ compiler (-O3 -march=native) into torch's extension
 cache (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR); later processes load the cached build. Where it cannot

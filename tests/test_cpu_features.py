@@ -24,6 +24,13 @@ def test_half_support_is_read_off_the_flags():
     assert half_dtype_support("bfloat16", frozenset()) == (False, "the CPU's flags could not be read")
 
 
+def test_the_avx2_linear_is_for_avx2_cpus_without_avx512():
+    assert cpu_features.avx2_without_avx512(AVX2_ONLY)
+    assert not cpu_features.avx2_without_avx512(SAPPHIRE_RAPIDS)  # oneDNN's AVX-512 kernels there
+    assert not cpu_features.avx2_without_avx512(AVX2_ONLY - {"fma"})
+    assert not cpu_features.avx2_without_avx512(frozenset())
+
+
 def test_cpu_flags_come_from_proc_cpuinfo():
     flags = cpu_features.cpu_flags()
     assert not flags or "fpu" in flags  # every x86 CPU lists fpu; other platforms may list nothing

@@ -6,7 +6,8 @@ event loop waits for): ~5 ms of a 30-layer model's 60 ms step. The C++ op calls 
 in the same order, so its results are the layer-by-layer forward's, bit for bit.
 
 It applies where every piece has its C++ kernel: CPU, float32 (or bfloat16 where the decode kernel takes it),
-oneDNN-packed linears, the cpu attention backend, the cpu LoRA kernels when the step has adapters, no q/k norm.
+prepacked linears (PackedLinear), the cpu attention backend, the cpu LoRA kernels when the step has adapters, no q/k
+norm.
 The model asks `takes(meta)` each step: decode tokens only, one per sequence, every one stored. Prefill and mixed
 steps keep the layer-by-layer path.
 """
@@ -149,7 +150,7 @@ def _unsupported(model: nn.Module) -> str | None:
                     return "LoRA is not on the cpu backend"
                 projection = projection.base
             if not isinstance(projection, PackedLinear):
-                return "linear weights are not packed for oneDNN"
+                return "linear weights are not prepacked (PackedLinear)"
             if name != "qkv_proj" and projection.bias is not None:
                 return f"{name} has a bias"
     if model.model.norm.weight.dtype != dtype:

@@ -1,36 +1,54 @@
-"""PackedLinear: an nn.Linear whose weight is prepacked for oneDNN, for fp32 on x86 CPUs (and bf16 on those with
+"""PackedLinear: an nn.Linear whose weight is prepacked for a CPU GEMM, for fp32 on x86 CPUs (and bf16 on those with
 native bf16 matmuls).
 
-Same math as `F.linear` (only the summation order differs), but oneDNN's blocked weight layout makes the
-small-batch GEMMs of decode 1.3-2.5x faster on CPU (the LM head most of all). The runner swaps these in
-after loading, as gpt-fast swaps in its quantized linears; CUDA and other half precision keep nn.Linear.
+Same math as `F.linear` (only the summation order differs), but a blocked weight layout makes the small-batch GEMMs
+of decode 1.3-2.5x faster on CPU (the LM head most of all). Two layouts: oneDNN's (opaque, its own kernels), and on
+AVX2 CPUs without AVX-512 for fp32, kernels/linear's panels of 16 columns, whose kernel runs decode shapes another
+1.1-1.2x faster than oneDNN's there. The runner swaps these in after loading, as gpt-fast swaps in its quantized
+linears; CUDA and other half precision keep nn.Linear.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
 
-from engine.cpu_features import half_dtype_support
+from engine.cpu_features import avx2_without_avx512, half_dtype_support
+from kernels.linear import PANEL_WIDTH, panel_linear_ops
 
 logger = logging.getLogger(__name__)
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, panel_ops: Any = None):
+        """panel_ops: kernels/linear's ops to pack into panels of 16 columns (fp32, out_features a multiple of 16);
+        None: oneDNN's layout."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()  # [out, in]
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 64)  # opaque oneDNN layout
+        self.panel_ops = panel_ops
+        if panel_ops is not None:
+            self.packed_weight = panel_ops.pack_linear_weight_cpu(weight)  # [out / 16, in, 16]
+        else:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 64)  # opaque oneDNN layout
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panel_ops is not None:
+            rows = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, self.in_features).contiguous()
+            y = self.panel_ops.packed_linear_cpu(rows, self.packed_weight, self.bias)  # [M, out]
+            return y.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        layout = "panels" if self.panel_ops is not None else "onednn"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"layout={layout}"
+        )
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -40,16 +58,32 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and half_dtype_support("bfloat16")[0])
 
 
+def panel_ops_for(linear: nn.Linear) -> Any:
+    """kernels/linear's ops where they beat oneDNN for this linear (fp32 on an AVX2 CPU without AVX-512, the kernel
+    built, out_features a multiple of 16), else None."""
+    if linear.weight.dtype != torch.float32 or linear.out_features % PANEL_WIDTH or not avx2_without_avx512():
+        return None
+    return panel_linear_ops()
+
+
 def pack_linears(model: nn.Module) -> int:
     """Replaces every nn.Linear of `model` by a PackedLinear (the dense weights are released unless shared,
     like a tied LM head's); returns how many were packed, 0 when this torch build cannot."""
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     try:
-        packed = [(name, PackedLinear(module)) for name, module in targets]
+        packed = [(name, PackedLinear(module, panel_ops_for(module))) for name, module in targets]
     except (RuntimeError, AttributeError) as e:  # a torch built without oneDNN
         logger.warning("not packing linear weights for oneDNN: %s", e)
         return 0
     for name, module in packed:
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, module)
+    in_panels = sum(module.panel_ops is not None for _, module in packed)
+    if packed:
+        logger.info(
+            "packed %d linear layers: %d in panels for kernels/linear's AVX2 kernel, %d for oneDNN",
+            len(packed),
+            in_panels,
+            len(packed) - in_panels,
+        )
     return len(packed)

@@ -1,5 +1,5 @@
 // A Llama-family model's decoder layers for one decode step, as one op: the kernels engine/models/llama.py calls
-// layer by layer (the fused norms, oneDNN's prepacked linears, the batched LoRA adds, rotary, the K/V store and the
+// layer by layer (the fused norms, the prepacked linears, the batched LoRA adds, rotary, the K/V store and the
 // paged decode attention), on the same tensors in the same order, called from here instead of from Python. A layer
 // makes about fifteen op calls per step; from Python each costs microseconds of interpreter and dispatch time on
 // the step's critical path, with the GIL held, which the server's event loop waits for. Here the whole stack runs
@@ -16,7 +16,7 @@
 //       -> [T, H]: the final norm of the last layer's output plus its residual. Each token's K/V is stored at its
 //          slot; x (the embeddings) is used as the residual stream and overwritten.
 //   One token per sequence (T sequences), every token stored (slots >= 0); the linears' weights are prepacked by
-//   mkldnn::_reorder_linear_weight; q and k share the qkv row and rotate together (no q/k norm).
+//   mkldnn::_reorder_linear_weight or loraplex::pack_linear_weight_cpu; q and k share the qkv row and rotate together (no q/k norm).
 
 #include "cpu_ops.h"
 
@@ -34,8 +34,10 @@ using LinearPointwise = at::Tensor(const at::Tensor&, const at::Tensor&, const s
                                    std::string_view, c10::List<std::optional<at::Scalar>>,
                                    std::optional<std::string_view>);
 
-// x @ W^T (+ bias) through oneDNN's prepacked weight: PackedLinear.forward's call.
+// x @ W^T (+ bias) through the weight as PackedLinear packed it: PackedLinear.forward's call (oneDNN's opaque
+// layout, or linear/csrc's panels on AVX2 CPUs).
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  if (!packed.is_mkldnn()) return packed_linear_cpu(x, packed, bias);
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                              .typed<LinearPointwise>();
@@ -151,5 +153,5 @@ TORCH_LIBRARY_FRAGMENT(loraplex, m) {
 
 TORCH_LIBRARY_IMPL(loraplex, CPU, m) { m.impl("decode_layers_cpu", &decode_layers_cpu); }
 
-// The prepacked weights are oneDNN tensors: their dispatch key picks this op's kernel.
+// oneDNN's prepacked weights are oneDNN tensors: their dispatch key picks this op's kernel.
 TORCH_LIBRARY_IMPL(loraplex, MkldnnCPU, m) { m.impl("decode_layers_cpu", &decode_layers_cpu); }

@@ -1,0 +1,63 @@
+"""kernels/linear (the fp32 panel linear for AVX2 CPUs): F.linear's outputs at every shape its blocking splits (row
+tails, k chunks, the 72-row chunks), with and without bias, on strided rows, the same on one thread and two; a weight
+or input it cannot take is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.linear import panel_linear_ops
+
+
+@pytest.fixture
+def ops(require_cpu_kernel):
+    found = panel_linear_ops()
+    if found is None:
+        pytest.skip("the C++ kernels were built for a CPU without AVX2 / FMA")
+    return found
+
+
+@pytest.mark.parametrize(
+    "m, k, n",
+    [(1, 7, 16), (5, 255, 32), (6, 256, 48), (7, 257, 16), (64, 512, 1024), (73, 600, 64), (150, 96, 32)],
+)
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_the_panel_linear_computes_what_f_linear_does(ops, m, k, n, bias):
+    generator = torch.Generator().manual_seed(m * 1000 + k)
+    weight = torch.randn(n, k, generator=generator)  # [N, K]
+    x = torch.randn(m, k, generator=generator)  # [M, K]
+    b = torch.randn(n, generator=generator) if bias else None
+    out = ops.packed_linear_cpu(x, ops.pack_linear_weight_cpu(weight), b)
+    assert out.shape == (m, n)
+    torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+
+
+def test_the_panel_linear_reads_strided_rows_and_gives_the_same_sums_on_any_thread_count(ops):
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(64, 100, generator=generator)
+    wide = torch.randn(20, 130, generator=generator)
+    x = wide[:, 10:110]  # [20, 100], rows 130 apart
+    packed = ops.pack_linear_weight_cpu(weight)
+    out = ops.packed_linear_cpu(x, packed, None)
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = ops.packed_linear_cpu(x, packed, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, out)  # one FMA chain per output, in k order, whoever computes it
+
+
+def test_the_panel_linear_refuses_what_it_cannot_take_by_name(ops):
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ops.pack_linear_weight_cpu(torch.randn(40, 8))
+    packed = ops.pack_linear_weight_cpu(torch.randn(32, 8))
+    with pytest.raises(RuntimeError, match="x's K"):
+        ops.packed_linear_cpu(torch.randn(3, 9), packed, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.packed_linear_cpu(torch.randn(3, 8), packed, torch.randn(16))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.packed_linear_cpu(torch.randn(3, 8, dtype=torch.float64), packed, None)
