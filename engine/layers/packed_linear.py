@@ -73,7 +73,7 @@ def pack_linears(model: nn.Module) -> int:
     try:
         packed = [(name, PackedLinear(module, panel_ops_for(module))) for name, module in targets]
     except (RuntimeError, AttributeError) as e:  # a torch built without oneDNN
-        logger.warning("not packing linear weights for oneDNN: %s", e)
+        logger.warning("not packing linear weights: %s", e)
         return 0
     for name, module in packed:
         parent_name, _, attr = name.rpartition(".")
