@@ -42,17 +42,15 @@ constexpr int64_t kChunkM = 192;  // rows per pass over the panels: x's chunk (1
 template <int R>
 inline void tile(const float* a, const float* b, int64_t kc, float* c, int64_t ldc, bool first, const float* bias) {
   __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;  // named: arrays of __m256 spill to the stack
+// OP(r, the row's two accumulators) for each of the tile's six rows (rows >= R compile to nothing).
+#define LORAPLEX_EACH_ROW(OP) \
+  OP(0, c00, c01) OP(1, c10, c11) OP(2, c20, c21) OP(3, c30, c31) OP(4, c40, c41) OP(5, c50, c51)
 #define LORAPLEX_LOAD(r, x0, x1)                                        \
   if constexpr (R > r) {                                                \
     x0 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc);     \
     x1 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + 8); \
   }
-  LORAPLEX_LOAD(0, c00, c01)
-  LORAPLEX_LOAD(1, c10, c11)
-  LORAPLEX_LOAD(2, c20, c21)
-  LORAPLEX_LOAD(3, c30, c31)
-  LORAPLEX_LOAD(4, c40, c41)
-  LORAPLEX_LOAD(5, c50, c51)
+  LORAPLEX_EACH_ROW(LORAPLEX_LOAD)
   for (int64_t k = 0; k < kc; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(b + (k + 8) * kPanel), _MM_HINT_T0);
     const __m256 b0 = _mm256_load_ps(b + k * kPanel), b1 = _mm256_load_ps(b + k * kPanel + 8);
@@ -63,12 +61,7 @@ inline void tile(const float* a, const float* b, int64_t kc, float* c, int64_t l
     x0 = _mm256_fmadd_ps(a_k, b0, x0);               \
     x1 = _mm256_fmadd_ps(a_k, b1, x1);               \
   }
-    LORAPLEX_FMA(0, c00, c01)
-    LORAPLEX_FMA(1, c10, c11)
-    LORAPLEX_FMA(2, c20, c21)
-    LORAPLEX_FMA(3, c30, c31)
-    LORAPLEX_FMA(4, c40, c41)
-    LORAPLEX_FMA(5, c50, c51)
+    LORAPLEX_EACH_ROW(LORAPLEX_FMA)
   }
   const __m256 bias0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 bias1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
@@ -77,12 +70,8 @@ inline void tile(const float* a, const float* b, int64_t kc, float* c, int64_t l
     _mm256_storeu_ps(c + r * ldc, bias ? _mm256_add_ps(x0, bias0) : x0);             \
     _mm256_storeu_ps(c + r * ldc + 8, bias ? _mm256_add_ps(x1, bias1) : x1);         \
   }
-  LORAPLEX_STORE(0, c00, c01)
-  LORAPLEX_STORE(1, c10, c11)
-  LORAPLEX_STORE(2, c20, c21)
-  LORAPLEX_STORE(3, c30, c31)
-  LORAPLEX_STORE(4, c40, c41)
-  LORAPLEX_STORE(5, c50, c51)
+  LORAPLEX_EACH_ROW(LORAPLEX_STORE)
+#undef LORAPLEX_EACH_ROW
 #undef LORAPLEX_LOAD
 #undef LORAPLEX_FMA
 #undef LORAPLEX_STORE
