@@ -21,7 +21,7 @@ def ops(require_cpu_kernel):
 
 @pytest.mark.parametrize(
     "m, k, n",
-    [(1, 7, 16), (5, 255, 32), (6, 256, 48), (7, 257, 16), (64, 512, 1024), (73, 600, 64), (150, 96, 32)],
+    [(1, 7, 16), (5, 255, 32), (6, 256, 48), (7, 257, 16), (64, 512, 1024), (73, 600, 64), (200, 96, 32)],
 )
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_the_panel_linear_computes_what_f_linear_does(ops, m, k, n, bias):
