@@ -40,6 +40,7 @@ def test_the_panel_linear_reads_strided_rows_and_gives_the_same_sums_on_any_thre
     wide = torch.randn(20, 130, generator=generator)
     x = wide[:, 10:110]  # [20, 100], rows 130 apart
     packed = ops.pack_linear_weight_cpu(weight)
+    assert torch.equal(ops.pack_linear_weight_cpu(weight.t().contiguous().t()), packed)  # a strided weight packs too
     out = ops.packed_linear_cpu(x, packed, None)
     torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-4)
     threads = torch.get_num_threads()

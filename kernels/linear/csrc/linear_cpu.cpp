@@ -112,7 +112,7 @@ at::Tensor pack_linear_weight_cpu(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "weight: [N, K] float32");
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(n % kPanel == 0 && k >= 1, "weight: N (", n, ") must be a multiple of ", kPanel, " and K >= 1");
-  return weight.view({n / kPanel, kPanel, k}).transpose(1, 2).contiguous();  // [N / 16, K, 16]
+  return weight.reshape({n / kPanel, kPanel, k}).transpose(1, 2).contiguous();  // [N / 16, K, 16]
 }
 
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
