@@ -141,6 +141,15 @@ class AdapterCache:
 
     def _padded_rows(self, weights: LoRAWeights, layer: int, modules: tuple[str, ...]):
         rank, shapes = self.max_lora_rank, self.spec.module_shapes
+        present = [weights.weights.get((layer, module)) for module in modules]
+        if all(p is not None and p[0].shape[0] == rank for p in present):  # nothing to pad: concatenate
+            a = torch.cat([lora_a for lora_a, _, _ in present]).to(self.dtype)  # [S * R, H_in]
+            scalings = {scaling for _, _, scaling in present}
+            if len(scalings) == 1:  # the usual case: one lora_alpha / r for every module
+                b = torch.cat([lora_b for _, lora_b, _ in present]).mul_(scalings.pop())  # [H_out, R]
+            else:
+                b = torch.cat([lora_b * scaling for _, lora_b, scaling in present])
+            return a, b.to(self.dtype)
         a = torch.zeros(len(modules) * rank, shapes[modules[0]][0], dtype=self.dtype)  # [S * R, H_in]
         b = torch.zeros(sum(shapes[m][1] for m in modules), rank, dtype=self.dtype)  # [H_out, R]
         offset = 0

@@ -161,3 +161,28 @@ def test_the_transposed_b_stacks_follow_every_row_written(tiny_adapters):
     finally:
         cache.shutdown()
     assert make_cache(spec, 1, 1).lora_bt is None  # only when asked
+
+
+@pytest.mark.parametrize("alpha_pattern", [{}, {"k_proj": 3, "up_proj": 40}], ids=["one-scaling", "mixed-scalings"])
+def test_full_rank_rows_are_the_padded_rows_without_the_padding(tiny_adapters, tokenizer, tmp_path, alpha_pattern):
+    """An adapter whose rank is the stack's R takes the concatenating path; the same adapter under R = 2r takes the
+    padding one: the same A rows and scaled B columns, and zeros past r."""
+    from peft import LoraConfig
+
+    spec, _ = tiny_adapters
+    hf = make_model(tmp_path / "base", tokenizer, "llama")
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", alpha_pattern=alpha_pattern)
+    lora = LoRARequest("full@1", make_adapter(hf, tmp_path / "full", seed=7, config=config))
+    exact = AdapterCache(spec, lora_targets, 1, 1, 4, torch.device("cpu"), torch.float32)
+    padded = AdapterCache(spec, lora_targets, 1, 1, 8, torch.device("cpu"), torch.float32)
+    try:
+        rows, padded_rows = exact.read(lora).rows, padded.read(lora).rows
+        assert rows.keys() == padded_rows.keys()
+        for key, (a, b) in rows.items():
+            pa, pb = padded_rows[key]
+            slices = len(lora_targets[key[1]])
+            assert torch.equal(pa.view(slices, 8, -1)[:, :4].reshape(a.shape), a), key
+            assert torch.equal(pb[:, :4], b) and not pb[:, 4:].any(), key
+    finally:
+        exact.shutdown()
+        padded.shutdown()
