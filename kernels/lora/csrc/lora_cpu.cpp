@@ -92,11 +92,14 @@ inline void token_rows(P* base, int64_t stride, const int64_t* tokens, int n, P*
 template <typename F>
 void for_each_run(const int64_t* rows, const int64_t* order, int64_t num_ordered, F&& f) {
   at::parallel_for(0, num_ordered, kTokensPerTask, [&](int64_t begin, int64_t end) {
+    int64_t adapter_end = begin, next = -1;  // where the tokens of the adapter in hand end, and the row after them
     for (int64_t p = begin; p < end;) {
+      if (p == adapter_end) {  // a new adapter: one scan to its end (runs never cross one)
+        while (adapter_end < end && rows[order[adapter_end]] == rows[order[p]]) ++adapter_end;
+        next = adapter_end < end ? rows[order[adapter_end]] : -1;
+      }
       const int n = run_length(rows, order, p, end);
-      int64_t q = p + n;
-      while (q < end && rows[order[q]] == rows[order[p]]) ++q;
-      f(p, n, rows[order[p]], q < end ? rows[order[q]] : int64_t(-1));
+      f(p, n, rows[order[p]], next);
       p += n;
     }
   });
