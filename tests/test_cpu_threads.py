@@ -111,10 +111,12 @@ def test_real_busy_neighbours_on_every_core_leave_a_team_of_one():
     machine_before, own_before = busy_seconds()
     team = ThreadGovernor(max(2, cores), interval_s=0.5)
     with background_load(cores):
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:  # busy too: an interval this process spent idle is not used
-            pass
-        assert team.tick() == 1
+        # within a few intervals (a VM's host may hold the spinners back in one); busy too meanwhile: an interval
+        # this process spent idle is not used
+        threads, deadline = team.threads, time.monotonic() + 5.0
+        while (threads != 1 or team.others_busy < 0.5 * cores) and time.monotonic() < deadline:
+            threads = team.tick()
+        assert threads == 1
         assert team.others_busy >= 0.5 * cores
     machine_after, own_after = busy_seconds()
     assert machine_after - machine_before >= own_after - own_before >= 0
