@@ -12,6 +12,7 @@ from engine.cpu_features import half_dtype_support
 
 AVX2_ONLY = frozenset({"fpu", "sse2", "avx", "avx2", "fma"})
 SAPPHIRE_RAPIDS = AVX2_ONLY | {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16"}
+ZEN_4 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}
 
 
 def test_half_support_is_read_off_the_flags():
@@ -24,11 +25,18 @@ def test_half_support_is_read_off_the_flags():
     assert half_dtype_support("bfloat16", frozenset()) == (False, "the CPU's flags could not be read")
 
 
-def test_the_avx2_linear_is_for_avx2_cpus_without_avx512():
-    assert cpu_features.avx2_without_avx512(AVX2_ONLY)
-    assert not cpu_features.avx2_without_avx512(SAPPHIRE_RAPIDS)  # oneDNN's AVX-512 kernels there
-    assert not cpu_features.avx2_without_avx512(AVX2_ONLY - {"fma"})
-    assert not cpu_features.avx2_without_avx512(frozenset())
+def test_the_panel_linear_is_for_avx2_cpus_without_avx512_and_for_zen_4():
+    wins = cpu_features.panel_linear_wins
+    assert wins(AVX2_ONLY, ("AuthenticAMD", 25)) and wins(AVX2_ONLY, ("GenuineIntel", 6))  # Zen 3, Haswell
+    assert wins(ZEN_4, ("AuthenticAMD", 25))  # AVX-512 on 256-bit units: the zmm tile
+    assert not wins(SAPPHIRE_RAPIDS, ("GenuineIntel", 6))  # oneDNN's AVX-512 (and AMX) kernels there
+    assert not wins(ZEN_4, ("AuthenticAMD", 26))  # Zen 5: full-width AVX-512, not measured
+    assert not wins(AVX2_ONLY - {"fma"}, ("AuthenticAMD", 25)) and not wins(frozenset(), ("", None))
+
+
+def test_the_cpu_identity_comes_from_proc_cpuinfo():
+    vendor, family = cpu_features.cpu_identity()
+    assert (vendor, family) == ("", None) or (vendor and (family is None or family > 0))
 
 
 def test_cpu_flags_come_from_proc_cpuinfo():

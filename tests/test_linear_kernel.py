@@ -1,6 +1,6 @@
-"""kernels/linear (the fp32 panel linear for AVX2 CPUs): F.linear's outputs at every shape its blocking splits (row
-tails, k chunks, the 72-row chunks), with and without bias, on strided rows, the same on one thread and two; a weight
-or input it cannot take is refused by name."""
+"""kernels/linear (the fp32 panel linear for AVX2 and AVX-512 CPUs): F.linear's outputs at every shape its blocking
+splits (row tails of its 6-row AVX2 and 12-row AVX-512 tiles, k chunks, the 192-row chunks), with and without bias,
+on strided rows, the same on one thread and two; a weight or input it cannot take is refused by name."""
 
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ def ops(require_cpu_kernel):
 
 @pytest.mark.parametrize(
     "m, k, n",
-    [(1, 7, 16), (5, 255, 32), (6, 256, 48), (7, 257, 16), (64, 512, 1024), (73, 600, 64), (200, 96, 32)],
+    [
+        *[(1, 7, 16), (2, 9, 16), (3, 20, 16), (5, 255, 32), (6, 256, 48), (7, 257, 16), (11, 64, 16)],
+        *[(21, 300, 32), (34, 40, 16), (64, 512, 1024), (73, 600, 64), (200, 96, 32)],
+    ],
 )
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_the_panel_linear_computes_what_f_linear_does(ops, m, k, n, bias):

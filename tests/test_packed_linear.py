@@ -53,12 +53,12 @@ def test_a_linear_in_panels_computes_what_the_linear_does(require_cpu_kernel):
     torch.testing.assert_close(packed(x[0, :, :]), linear(x[0]), rtol=1e-5, atol=1e-5)
 
 
-def test_panels_are_chosen_for_fp32_on_avx2_cpus_without_avx512_where_16_divides_the_outputs(monkeypatch):
+def test_panels_are_chosen_for_fp32_where_they_win_and_16_divides_the_outputs(monkeypatch):
     ops = object()
     monkeypatch.setattr(packed_module, "panel_linear_ops", lambda: ops)
-    monkeypatch.setattr(packed_module, "avx2_without_avx512", lambda: True)
+    monkeypatch.setattr(packed_module, "panel_linear_wins", lambda: True)
     assert panel_ops_for(nn.Linear(8, 32)) is ops
     assert panel_ops_for(nn.Linear(8, 40)) is None  # 40 columns: not whole panels, oneDNN takes it
     assert panel_ops_for(nn.Linear(8, 32).to(torch.bfloat16)) is None
-    monkeypatch.setattr(packed_module, "avx2_without_avx512", lambda: False)  # AVX-512: oneDNN's kernels
+    monkeypatch.setattr(packed_module, "panel_linear_wins", lambda: False)  # Intel AVX-512, say: oneDNN's
     assert panel_ops_for(nn.Linear(8, 32)) is None

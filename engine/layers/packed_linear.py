@@ -2,10 +2,10 @@
 native bf16 matmuls).
 
 Same math as `F.linear` (only the summation order differs), but a blocked weight layout makes the small-batch GEMMs
-of decode 1.3-2.5x faster on CPU (the LM head most of all). Two layouts: oneDNN's (opaque, its own kernels), and on
-AVX2 CPUs without AVX-512 for fp32, kernels/linear's panels of 16 columns, whose kernel runs decode shapes another
-1.1-1.2x faster than oneDNN's there. The runner swaps these in after loading, as gpt-fast swaps in its quantized
-linears; CUDA and other half precision keep nn.Linear.
+of decode 1.3-2.5x faster on CPU (the LM head most of all). Two layouts: oneDNN's (opaque, its own kernels), and for
+fp32 where `engine.cpu_features.panel_linear_wins` (AVX2 CPUs without AVX-512, AMD Zen 4), kernels/linear's panels
+of 16 columns, whose kernel runs decode shapes another 1.1-1.4x faster than oneDNN's there. The runner swaps these
+in after loading, as gpt-fast swaps in its quantized linears; CUDA and other half precision keep nn.Linear.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.cpu_features import avx2_without_avx512, half_dtype_support
+from engine.cpu_features import half_dtype_support, panel_linear_wins
 from kernels.linear import PANEL_WIDTH, panel_linear_ops
 
 logger = logging.getLogger(__name__)
@@ -59,9 +59,9 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def panel_ops_for(linear: nn.Linear) -> Any:
-    """kernels/linear's ops where they beat oneDNN for this linear (fp32 on an AVX2 CPU without AVX-512, the kernel
-    built, out_features a multiple of 16), else None."""
-    if linear.weight.dtype != torch.float32 or linear.out_features % PANEL_WIDTH or not avx2_without_avx512():
+    """kernels/linear's ops where they beat oneDNN for this linear (fp32 on a CPU where `panel_linear_wins`, the
+    kernel built, out_features a multiple of 16), else None."""
+    if linear.weight.dtype != torch.float32 or linear.out_features % PANEL_WIDTH or not panel_linear_wins():
         return None
     return panel_linear_ops()
 
@@ -81,7 +81,7 @@ def pack_linears(model: nn.Module) -> int:
     in_panels = sum(module.panel_ops is not None for _, module in packed)
     if packed:
         logger.info(
-            "packed %d linear layers: %d in panels for kernels/linear's AVX2 kernel, %d for oneDNN",
+            "packed %d linear layers: %d in panels for kernels/linear's kernel, %d for oneDNN",
             len(packed),
             in_panels,
             len(packed) - in_panels,
