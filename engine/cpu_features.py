@@ -16,16 +16,26 @@ FAST_HALF_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The `flags` of /proc/cpuinfo (Linux); empty elsewhere or when unreadable."""
+def _first_processor() -> dict[str, str]:
+    """The fields of /proc/cpuinfo's first processor (Linux; its CPUs are alike here): key -> value; empty elsewhere or
+    when unreadable."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return {}
+    fields: dict[str, str] = {}
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
+        if not line.strip():
+            break  # the end of the first processor's block
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The `flags` of /proc/cpuinfo (Linux); empty elsewhere or when unreadable."""
+    return frozenset(_first_processor().get("flags", "").split())
 
 
 def half_dtype_support(dtype: str, flags: frozenset[str] | None = None) -> tuple[bool, str]:
@@ -40,20 +50,10 @@ def half_dtype_support(dtype: str, flags: frozenset[str] | None = None) -> tuple
     return False, f"the CPU has none of {', '.join(wanted)} ({dtype} matmuls run ~20x slower per FLOP than float32)"
 
 
-@functools.cache
 def cpu_identity() -> tuple[str, int | None]:
     """(vendor_id, cpu family) of /proc/cpuinfo's first processor: ("AuthenticAMD", 25) on a Zen 3 or Zen 4;
     ("", None) where unreadable."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "", None
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        if not line.strip():
-            break  # the first processor's block is enough
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
+    fields = _first_processor()
     family = fields.get("cpu family", "")
     return fields.get("vendor_id", ""), int(family) if family.isdigit() else None
 

@@ -11,8 +11,8 @@
 //   packed_linear_cpu(x [M, K] float32 (rows contiguous), packed [N / 16, K, 16], bias [N]?) -> [M, N] float32
 //
 // Each y[m, n] is one fp32 FMA chain over k = 0 .. K-1 in order (then + bias): the same sum F.linear computes, in
-// another order than oneDNN's or MKL's, and the same on any thread count. Blocking: x is repacked per 6-row block
-// as [k][6] (one stream instead of six); the threads split the panels; per chunk of up to 192 rows and per panel,
+// another order than oneDNN's or MKL's, and the same on any thread count. Blocking: x is repacked per tile's block
+// of rows as [k][rows] (one stream instead of six or twelve); the threads split the panels; per chunk of up to 192 rows and per panel,
 // k runs in chunks of 256 so the panel's chunk (16 KB) stays in L1 while the rows' blocks (in L2) pass over it.
 // Built for AVX-512 (the compiler's target has AVX-512F), the tile is 12 x 16 instead: twelve zmm accumulators, one
 // load of the panel and twelve FMAs with a broadcast operand per step of k; the same FMA chain per output, so the
