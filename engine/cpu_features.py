@@ -66,8 +66,10 @@ def panel_linear_wins(flags: frozenset[str] | None = None, identity: tuple[str, 
     on AVX2 + FMA CPUs without AVX-512 (Zen 3 and older, pre-Skylake-SP Intel), where oneDNN's fp32 GEMM leaves about a
     third of the FMA peak at decode shapes (decode steps' GEMMs 1.1-1.25x faster); and on AMD Zen 4, whose 512-bit FMAs
     run on 256-bit units, with the kernel's 12 x 16 zmm tile (W1 decode steps 1.37x faster at 1 sequence, 1.16x at 21,
-    1.03x at 64; prefill 1.04x slower). Other AVX-512 CPUs (Intel's, Zen 5's full-width units) were not measured and
-    keep oneDNN."""
+    1.03x at 64; prefill 1.04x slower). Intel's AVX-512 CPUs keep oneDNN: on a Xeon with AMX (family 6 model 167, 2 MB
+    L2 per core) the panels ran W1 decode steps faster at few rows (6.4 against 7.9 ms at 1 sequence, 12.5 against
+    14.1 at 16) but even at 32, 8% slower at 64 and prefill 25-35% slower, so W1's offline runs took 13-15% longer.
+    Zen 5 (full-width AVX-512) was not measured and keeps oneDNN."""
     flags = cpu_flags() if flags is None else flags
     if not {"avx2", "fma"} <= flags:
         return False
