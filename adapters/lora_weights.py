@@ -44,7 +44,7 @@ class LoRAWeights:
     rank: int  # the largest rank over modules
     digest: str  # "sha256:<hex>": the adapter's content identity
     target_modules: frozenset[str]  # module names present, e.g. {"q_proj", "v_proj"}
-    num_bytes: int  # of the fp32 A and B tensors held in `weights`
+    num_bytes: int  # of its fp32 A and B tensors (as `weights` holds them when read)
     alpha: float  # the config's lora_alpha (each module's scaling is in `weights`)
     base_model_name: str | None  # the config's base_model_name_or_path
     # (layer, module) -> (A [r, in] fp32, B [out, r] fp32, scaling): delta(x) = scaling * x @ A.T @ B.T

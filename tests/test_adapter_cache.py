@@ -1,7 +1,9 @@
 """AdapterCache units (no engine): pin counts, LRU eviction of device rows, pinned rows never evicted, removal
-while pinned completing at the last release, and the host tier's LRU bound (max_cpu_loras)."""
+while pinned completing at the last release, the host tier's LRU bound (max_cpu_loras), and what a host copy holds."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -186,3 +188,32 @@ def test_full_rank_rows_are_the_padded_rows_without_the_padding(tiny_adapters, t
     finally:
         exact.shutdown()
         padded.shutdown()
+
+
+def test_the_host_copy_is_the_packed_rows_alone(tiny_adapters):
+    """What `read` keeps of an adapter is its packed rows, and its metadata without the tensors as read: kept
+    beside the rows, they would double the host memory every adapter in the host tier holds."""
+    spec, (a, *_) = tiny_adapters
+    cache = make_cache(spec, max_loras=1, max_cpu_loras=1)
+    try:
+        host = cache.read(a)
+        assert host.rows and all(isinstance(t, torch.Tensor) for row in host.rows.values() for t in row)
+        assert list(_tensors_in(host.weights)) == []
+        assert host.weights.digest.startswith("sha256:") and host.weights.rank == 4 and host.weights.num_bytes > 0
+    finally:
+        cache.shutdown()
+
+
+def _tensors_in(value):
+    """Every tensor reachable from `value` through dataclass fields, dicts, lists, tuples and sets."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            yield from _tensors_in(getattr(value, f.name))
+    elif isinstance(value, dict):
+        for item in value.items():
+            yield from _tensors_in(item)
+    elif isinstance(value, list | tuple | set | frozenset):
+        for item in value:
+            yield from _tensors_in(item)
