@@ -50,10 +50,10 @@ def test_prefix_hits_full_blocks_only_and_leaves_a_token_to_compute():
     allocate_all(bm, a)
     a_blocks = list(a.block_table)
     bm.free(a)  # freed blocks keep their cached content
+    assert a_blocks[2] not in bm.cached_blocks.values()  # the partial block was never cached
     b = make_seq([*range(8), 99, 98, 97])
     assert allocate_all(bm, b) == 2  # blocks [0..3] and [4..7]
     assert b.block_table[:2] == a_blocks[:2] and b.num_computed_tokens == 11
-    assert b.block_table[2] != a_blocks[2]  # the partial block was never cached
     exact = make_seq(list(range(8)))  # fully cached prompt: the last block is recomputed for its logits
     assert len(bm.find_cached_prefix(exact)) == 1
 
@@ -75,6 +75,28 @@ def test_cached_free_blocks_are_evicted_oldest_first_when_space_is_needed():
     assert bm.find_cached_prefix(make_seq(list(range(9)))) == []
     bm.free(big)
     assert bm.num_free_blocks == 4
+
+
+def test_freed_blocks_that_cache_nothing_are_reused_before_untouched_ones():
+    """Without prefix caching a freed sequence's blocks are the next ones taken, so the engine keeps writing the
+    pages it has touched; with it, the blocks holding a cached prefix stay findable and a partial block goes first."""
+    bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    a = make_seq(list(range(10)))
+    allocate_all(bm, a)
+    a_blocks = set(a.block_table)
+    bm.free(a)
+    b = make_seq(list(range(100, 110)))
+    allocate_all(bm, b)
+    assert set(b.block_table) == a_blocks
+    cached = BlockManager(num_blocks=64, block_size=4)
+    a = make_seq(list(range(10)))
+    allocate_all(cached, a)
+    full, partial = a.block_table[:2], a.block_table[2]
+    cached.free(a)
+    c = make_seq([50, 51, 52])
+    allocate_all(cached, c)
+    assert c.block_table == [partial]
+    assert cached.find_cached_prefix(make_seq(list(range(9)))) == full
 
 
 def test_fork_shares_blocks_and_copy_on_write_splits_the_last_one():
