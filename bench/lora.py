@@ -7,7 +7,10 @@
 The 56M Llama of `loraplex bench engine`, fp32 on CPU; 64 requests of 128 random prompt tokens and 64 output
 tokens (ignore_eos); adapters of rank 8 on all 7 linear modules, each request's drawn uniformly among K.
 Rows: loraplex base-only; loraplex K=8 (max_loras=8); peft K=8 as one mixed batch (`adapter_names`) and
-grouped by adapter (`set_adapter`); loraplex K=128 with max_loras=16, max_cpu_loras=32.
+grouped by adapter (`set_adapter`); loraplex K=128 with max_loras=16, max_cpu_loras=32, every adapter
+forgotten before each of its runs (so each run reads all of them from disk). The loraplex rows run interleaved,
+on two engines kept warm alike (until 2026-11-26 each K=128 run built a fresh engine after the others had run:
+it paid the first touch of its KV pool's pages, and the machine's drift went into that row alone).
 With --model: the same requests on that model (a directory or a GGUF file), base-only and mixed over the
 given adapters (one row per adapter in the engine, each request's drawn uniformly); no peft rows.
 """
@@ -138,17 +141,18 @@ def random_model_runs(args: argparse.Namespace, prompts: list[list[int]]) -> dic
             enable_prefix_caching=False,
         )
         llm = LLM(model=base, enable_lora=True, max_loras=8, max_lora_rank=args.rank, max_cpu_loras=32, **common)
+        churn = LLM(model=base, enable_lora=True, max_loras=16, max_lora_rank=args.rank, max_cpu_loras=32, **common)
         time_loraplex(llm, prompts[:4], 4, k8[:4])  # warm-up
-        for _ in range(args.repeat):  # interleaved, so a noisy neighbour hits both alike
+        time_loraplex(churn, prompts[:4], 4, k128[:4])
+        for _ in range(args.repeat):  # interleaved, so a noisy neighbour or a drifting machine hits all alike
             runs["loraplex base-only"].append(time_loraplex(llm, prompts, args.output_len, None))
             runs["loraplex K=8"].append(time_loraplex(llm, prompts, args.output_len, k8))
-        del llm
-        for _ in range(args.repeat):  # a fresh engine each time: every adapter starts cold on disk
-            llm = LLM(model=base, enable_lora=True, max_loras=16, max_lora_rank=args.rank, max_cpu_loras=32, **common)
+            for lora in loras:  # forgotten in every tier: each run reads every adapter cold from disk
+                churn.engine.remove_adapter(lora)
             runs["loraplex K=128 (16 rows, 32 in host memory)"].append(
-                time_loraplex(llm, prompts, args.output_len, k128)
+                time_loraplex(churn, prompts, args.output_len, k128)
             )
-            del llm
+        del llm, churn
         if not args.skip_peft:
             from peft import PeftModel
 
