@@ -1,14 +1,14 @@
 """BlockManager: the KV pool's free list, reference counts, prefix cache and every sequence's block table.
 
-Prefix caching: a full block is registered under a hash chain `h_j = sha256(h_{j-1} || tokens_j)` (token ids
-packed as little-endian int64) whose first link `h_0` hashes the sequence's adapter key (its content digest), so
-KV computed under one adapter (or none) never serves another. A cryptographic hash, not Python's `hash()`: two
-different prefixes sharing a key would silently serve one request another's KV. A freed block keeps its hash
-and content until it is reused: such blocks wait at the back of the free queue, oldest-freed first, and a prefix
-hit takes a block back out of it. A freed block that holds nothing to find again (prefix caching off, a partial
-block) goes to the front and is taken first, so the engine keeps writing pages it has already touched rather
-than walking the whole pool: on CPU each first touch of a page is a fault (~2-10 us on a VM), and a 1 GiB pool
-walked once by W1's 64 requests took 50k of them per run.
+Prefix caching: a full block is registered under a hash chain `h_j = sha256(h_{j-1} || tokens_j)` (token ids packed
+as little-endian int64) whose first link `h_0` hashes the sequence's adapter key (its content digest), so KV
+computed under one adapter (or none) never serves another. A cryptographic hash, not Python's `hash()`: two
+different prefixes sharing a key would silently serve one request another's KV. A freed block keeps its hash and
+content until it is reused: such blocks wait at the back of the free queue, oldest-freed first, and a prefix hit
+takes a block back out of it. A freed block that holds nothing to find again (prefix caching off, a partial block, a
+duplicate of a prefix another block already caches) goes to the front and is taken first, so the engine keeps
+writing pages it has already touched rather than walking the whole pool: on CPU each first touch of a page is a
+fault (~2-10 us on a VM), and a 1 GiB pool walked once by W1's 64 requests took 50k of them per run.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ class BlockManager:
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
                 self.free_queue[block_id] = None
-                if self.block_hash[block_id] is None:  # nothing cached in it: reused first
+                if self.cached_blocks.get(self.block_hash[block_id]) != block_id:  # no lookup finds it: reused first
                     self.free_queue.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.num_computed_tokens = 0

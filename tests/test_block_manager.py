@@ -97,6 +97,19 @@ def test_freed_blocks_that_cache_nothing_are_reused_before_untouched_ones():
     allocate_all(cached, c)
     assert c.block_table == [partial]
     assert cached.find_cached_prefix(make_seq(list(range(9)))) == full
+    # two sequences that computed one prefix side by side: the copy no lookup can find is reused first
+    twin, copy = make_seq(list(range(200, 208))), make_seq(list(range(200, 208)))
+    for seq in (twin, copy):
+        cached.allocate(seq, [], 8)
+    for seq in (twin, copy):
+        cached.commit(seq, 8)
+    copy_blocks = list(copy.block_table)
+    assert set(copy_blocks).isdisjoint(twin.block_table)
+    cached.free(copy)
+    d = make_seq([60, 61, 62])
+    allocate_all(cached, d)
+    assert d.block_table == copy_blocks[:1]
+    assert cached.find_cached_prefix(make_seq([*range(200, 208), 0])) == twin.block_table
 
 
 def test_fork_shares_blocks_and_copy_on_write_splits_the_last_one():
