@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3, help="offline, and at the top concurrency (%(default)s)")
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="the server's --stream-interval: steps per SSE chunk (%(default)s)",
+    )
     parser.add_argument("--result-dir", type=Path, default=Path("bench-results"))
     return parser
 
@@ -78,7 +84,7 @@ def measure(args: argparse.Namespace, levels: list[int]) -> dict:
             "--model", str(model), "--served-model-name", served, "--disable-auth",
             "--database-url", f"sqlite:///{Path(tmp) / 'registry.db'}", "--device", "cpu", "--dtype", "float32",
             "--cpu-threads", str(args.threads), "--max-num-seqs", str(body["max_num_seqs"]),
-            "--max-model-len", str(body["max_model_len"]),
+            "--max-model-len", str(body["max_model_len"]), "--stream-interval", str(args.stream_interval),
         ]  # fmt: skip
         if adapters:
             serve_args += ["--max-loras", str(len(adapters)), "--max-lora-rank", str(rank), "--lora-modules"]
@@ -103,6 +109,7 @@ def measure(args: argparse.Namespace, levels: list[int]) -> dict:
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "threads": args.threads,
+        "stream_interval": args.stream_interval,
         "adapters": len(adapters),
         "offline": offline,
         "runs": runs,

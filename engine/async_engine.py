@@ -3,9 +3,10 @@ verbs below, from asyncio, with the plain data of engine/interface.py in and out
 
 The engine thread owns the LLMEngine: every command (a new request, an abort, an adapter verb, a validation, a
 snapshot) goes through its thread-safe inbox and runs between two steps, so nothing the engine thread mutates is
-ever touched by another thread. Deltas go back to each request's asyncio queue through `call_soon_threadsafe`;
-the event loop only ever waits. Reading an adapter from disk, the one slow command, runs on a worker thread and
-only its result is handed to the engine thread.
+ever touched by another thread. Deltas go back to each request's asyncio queue through `call_soon_threadsafe`
+(every step's, or joined over `stream_interval` steps: engine/delta_coalescer.py); the event loop only ever
+waits. Reading an adapter from disk, the one slow command, runs on a worker thread and only its result is handed
+to the engine thread.
 
 A request that breaks its step fails alone (the LLMEngine isolates it; its stream raises SequenceFailed). A fault
 no request can be blamed for stops the engine thread: an EngineFault (the model fails its self-test), or
@@ -30,6 +31,7 @@ from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING, TypeVar
 
 from engine.cpu_threads import run_alone
+from engine.delta_coalescer import DeltaCoalescer
 from engine.interface_types import (
     AdapterInfo,
     EngineConfig,
@@ -89,7 +91,9 @@ class AsyncEngine:
         (64 sequences of the 56M Llama on 2 cores)."""
         self._engine: LLMEngine  # owned by the engine thread; tests reach it through tests/engine_probe.py only
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (callable, Future) run on the engine thread
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (its event loop, its queue, its stream interval)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
+        self._coalescer = DeltaCoalescer()  # the engine thread's
         self._stopped = threading.Event()
         self._stop_reason = "it was shut down"
         if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:  # a shorter one set by the host process stays
@@ -175,21 +179,25 @@ class AsyncEngine:
             self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hands each stream its delta of the step: one wake-up per event loop, not one per request."""
+        """Hands each stream its delta of the step (or of its last `stream_interval` steps, joined): one wake-up per
+        event loop, not one per request."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | Exception]]] = {}
         streams = self._streams
         for out in outputs:
             stream = streams.get(out.request_id) if not out.finished else streams.pop(out.request_id, None)
-            if stream is not None:
-                loop, q = stream
-                by_loop.setdefault(loop, []).append((q, out.error if out.error is not None else out))
+            if stream is None:
+                self._coalescer.drop(out.request_id)
+                continue
+            loop, q, interval = stream
+            for ready in self._coalescer.push(out, interval):
+                by_loop.setdefault(loop, []).append((q, ready.error if ready.error is not None else ready))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_stream(self, request_id: str, error: Exception) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            loop, q = stream
+            loop, q, _ = stream
             with contextlib.suppress(RuntimeError):  # that event loop is closed: nobody is waiting
                 loop.call_soon_threadsafe(q.put_nowait, error)
 
@@ -221,15 +229,17 @@ class AsyncEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Yields the request's deltas as steps produce them; the last one has `finished=True`. Raises ValueError
         (a bad request) or AdapterError (its adapter cannot be loaded). Leaving the iteration early (a client
-        that went away) aborts the request."""
+        that went away) aborts the request. A delta holds the tokens of one step, or of `stream_interval` steps
+        (the engine's, or the request's own when larger) after the first."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[request.request_id] = (loop, q)
+        interval = max(self._engine.config.stream_interval, request.sampling.stream_interval or 1)
+        self._streams[request.request_id] = (loop, q, interval)
         try:
             await self._submit(lambda: self._engine.add_request(request))
         except BaseException:
             self._streams.pop(request.request_id, None)
-            self._call(lambda: self._engine.abort(request.request_id))  # if it was added before we were cancelled
+            self._call(lambda: self._forget(request.request_id))  # if it was added before we were cancelled
             raise
         finished = False
         try:
@@ -246,7 +256,12 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         """Aborts a request; when this returns its blocks and its adapter row are free."""
         self._streams.pop(request_id, None)
-        await self._submit(lambda: self._engine.abort(request_id))
+        await self._submit(lambda: self._forget(request_id))
+
+    def _forget(self, request_id: str) -> None:
+        """On the engine thread: aborts the request and drops the deltas held for its stream."""
+        self._coalescer.drop(request_id)
+        self._engine.abort(request_id)
 
     async def validate(self, request: EngineRequest) -> None:
         """Raises ValueError naming what is wrong with the request (prompt, length, vocabulary, id); adds nothing.

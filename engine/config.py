@@ -78,6 +78,11 @@ class EngineConfig:
         "CPU: a decode-only step runs the decoder layers in one C++ call (the same kernels and results as the "
         "layer-by-layer forward, without its per-op Python cost, the GIL released)",
     )
+    stream_interval: int = option(
+        1,
+        "steps whose tokens a stream gets in one delta after its first (as vLLM's --stream-interval): fewer, larger "
+        "SSE chunks cost the server's event loop less CPU at many streams; a request may ask for more",
+    )
     cpu_threads_adapt: bool = option(
         True, "CPU: shrink the thread team to the cores other processes leave free (checked each second)"
     )
@@ -109,6 +114,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "

@@ -37,6 +37,20 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def extended(self, later: CompletionOutput) -> CompletionOutput:
+        """This delta followed by a later one of the same sample, as one delta."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (self.logprobs or []) + (later.logprobs or [])
+        return CompletionOutput(
+            self.index,
+            self.text + later.text,
+            self.token_ids + later.token_ids,
+            logprobs,
+            later.finish_reason,
+            later.stop_reason,
+        )
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -50,6 +64,24 @@ class RequestOutput:
     adapter_tier: str | None = None  # where its adapter was on arrival: device, host or disk (None: no adapter)
     error: Exception | None = None  # set when the request failed (its adapter could not be loaded: AdapterError;
     # the request alone broke its step: SequenceFailed)
+
+    def extended(self, later: RequestOutput) -> RequestOutput:
+        """This delta followed by a later one of the same request, as one delta: each sample's text, tokens and
+        logprobs joined in order, the request's state (finished, cached tokens, error) the later one's."""
+        outputs = {o.index: o for o in self.outputs}
+        for o in later.outputs:
+            outputs[o.index] = outputs[o.index].extended(o) if o.index in outputs else o
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=sorted(outputs.values(), key=lambda o: o.index),
+            finished=later.finished,
+            num_cached_tokens=later.num_cached_tokens,
+            metrics={**self.metrics, **later.metrics},
+            adapter_tier=self.adapter_tier or later.adapter_tier,
+            error=later.error,
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -34,6 +34,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per sampled token (0: the sampled token's own only)
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (no text, no stop strings), as vLLM's flag
+    stream_interval: int | None = None  # steps per streamed delta after the first, at least the engine's (vLLM's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +74,8 @@ class SamplingParams:
             raise bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise bad("stream_interval", f"must be at least 1, got {self.stream_interval}")
         if self.stop and not self.detokenize:
             raise bad("stop", "stop strings need detokenize=True")
         if any(not s for s in self.stop):

@@ -57,7 +57,7 @@ class Drain:
 
     async def guard_stream(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         """Passes a response's SSE chunks through; at the cut, ends it with an error event and [DONE] (checked
-        between chunks: a stream that is generating gets its next token within a step)."""
+        between chunks: a stream that is generating gets its next tokens within `stream_interval` steps)."""
         try:
             async for chunk in chunks:
                 yield chunk

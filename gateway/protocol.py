@@ -54,6 +54,7 @@ class SamplingFields(RequestModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     lora_request: LoRASelection | None = None  # TensorRT-LLM's form; `model` then names the base
+    stream_interval: int | None = None  # steps per streamed chunk after the first (the server's, if larger)
 
     def _unsupported(self) -> None:
         if self.logit_bias:
@@ -87,6 +88,7 @@ class SamplingFields(RequestModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                stream_interval=self.stream_interval,
             )
         except ValueError as e:
             message = str(e)

@@ -26,3 +26,8 @@ def kill_engine_thread(engine: AsyncEngine) -> None:
 
     engine._inbox.put(_STOP)
     engine._thread.join(timeout=30)
+
+
+def held_streams(engine: AsyncEngine) -> int:
+    """How many streams have deltas held back by `stream_interval` (engine/delta_coalescer.py)."""
+    return len(engine._coalescer)

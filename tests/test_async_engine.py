@@ -14,7 +14,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
-from tests.engine_probe import engine_thread
+from tests.engine_probe import engine_thread, held_streams
 from tests.hf_models import make_model
 
 
@@ -134,3 +134,59 @@ def test_the_engine_thread_gets_the_gil_back_within_half_a_millisecond(model_dir
         assert sys.getswitchinterval() == pytest.approx(min(before, GIL_SWITCH_INTERVAL_S))
     finally:
         sys.setswitchinterval(previous)
+
+
+async def delta_sizes(engine: AsyncEngine, request: EngineRequest) -> tuple[list[int], list[int], str]:
+    sizes, ids, text = [], [], ""
+    async for delta in engine.generate(request):
+        sizes.append(len(delta.outputs[0].token_ids) if delta.outputs else 0)
+        ids += delta.outputs[0].token_ids if delta.outputs else []
+        text += delta.outputs[0].text if delta.outputs else ""
+    return sizes, ids, text
+
+
+def test_stream_interval_joins_deltas_after_the_first_and_loses_nothing(model_dir):
+    """--stream-interval 3: the first token at once, then three steps' tokens per delta, the rest with the last; a
+    request asking for 5 gets 5 (the larger of the two); the tokens and text are the offline engine's."""
+    params = SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True)
+    offline = LLM(model=str(model_dir), device="cpu", num_kv_blocks=64).generate([[5, 6, 7]], params)[0].outputs[0]
+    engine = AsyncEngine.from_config(
+        EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=64, stream_interval=3)
+    )
+    try:
+
+        async def main():
+            wider = SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True, stream_interval=5)
+            return await asyncio.gather(
+                delta_sizes(engine, EngineRequest("every-3", [5, 6, 7], params)),
+                delta_sizes(engine, EngineRequest("every-5", [5, 6, 7], wider)),
+            )
+
+        (sizes3, ids3, text3), (sizes5, ids5, text5) = asyncio.run(main())
+        assert sizes3 == [1, 3, 3, 3, 1] and sizes5 == [1, 5, 5]
+        assert ids3 == ids5 == offline.token_ids and text3 == text5 == offline.text
+        assert held_streams(engine) == 0
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="stream_interval must be at least 1, got 0"):
+        EngineConfig(model=str(model_dir), device="cpu", stream_interval=0)
+
+
+def test_an_aborted_stream_leaves_no_held_deltas_behind(model_dir):
+    engine = AsyncEngine.from_config(
+        EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=64, stream_interval=4)
+    )
+    try:
+
+        async def main():
+            stream = engine.generate(
+                EngineRequest("cut", [5] * 8, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+            )
+            sizes = [len((await anext(stream)).outputs[0].token_ids) for _ in range(2)]
+            await stream.aclose()  # aborts, with tokens of up to three steps held
+            return sizes, await engine.stats()
+
+        sizes, stats = asyncio.run(main())
+        assert sizes == [1, 4] and not stats.num_requests and held_streams(engine) == 0
+    finally:
+        engine.shutdown()

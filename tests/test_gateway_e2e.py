@@ -115,6 +115,29 @@ def test_interleaved_adapters_stream_and_not_match_the_offline_engine(server, ti
     assert_idle(server)
 
 
+def test_a_stream_interval_sends_several_tokens_per_chunk_and_the_same_text(server, tiny, tokenizer):
+    """vLLM's per-request `stream_interval` (the server's is 1 here): the first token alone, then 4 per chunk, the
+    rest with the last; the text and usage are those of a request streamed token by token; 0 is a 400."""
+    api = sync_client(server)
+    common = {"model": "sql", "prompt": PROMPTS[2], "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 0}
+    results = []
+    for extra in ({}, {"stream_interval": 4}):
+        stream = api.completions.create(
+            **common, stream=True, stream_options={"include_usage": True}, extra_body={**EXACT, **extra}
+        )
+        chunks = list(stream)
+        sizes = [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices]
+        results.append((sizes, "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage))
+    (one_by_one, text, usage), (joined, joined_text, joined_usage) = results
+    assert one_by_one == [1] * MAX_TOKENS and joined == [1, 4, 4, 3]
+    assert joined_text == text == offline_texts(tiny, [("sql", tokenizer.encode(PROMPTS[2]))])[0][0]
+    assert joined_usage.completion_tokens == usage.completion_tokens == MAX_TOKENS
+    with pytest.raises(openai.BadRequestError) as bad:
+        api.completions.create(**common, stream=True, extra_body={"stream_interval": 0})
+    assert bad.value.body["param"] == "stream_interval" and "at least 1" in bad.value.body["message"]
+    assert_idle(server)
+
+
 def test_models_lists_the_base_and_adapters_with_parent(server):
     models = sync_client(server).models.list().data
     assert models[0].id == BASE and models[0].parent is None
