@@ -1,7 +1,8 @@
 """`loraplex bench latency`: the server against the offline engine on the same requests, and TTFT / TPOT by
 concurrency, through a real `loraplex serve` on 127.0.0.1.
 
-    loraplex bench latency [--threads 2] [--adapters 8] [--concurrency 1,16,64] [--result-dir bench-results]
+    loraplex bench latency [--threads 2] [--adapters 8] [--concurrency 1,16,64] [--stream-interval 1]
+                           [--result-dir bench-results]
 
 The W1 workload of `bench peer` (the random 56M Llama, K random rank-8 adapters, 64 requests of 128 prompt token
 ids and 64 output tokens, greedy, ignore_eos, adapters drawn uniformly). The offline engine runs the requests
