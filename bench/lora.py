@@ -8,7 +8,10 @@ The 56M Llama of `loraplex bench engine`, fp32 on CPU; 64 requests of 128 random
 tokens (ignore_eos); adapters of rank 8 on all 7 linear modules, each request's drawn uniformly among K.
 Rows: loraplex base-only; loraplex K=8 (max_loras=8); peft K=8 as one mixed batch (`adapter_names`) and
 grouped by adapter (`set_adapter`); loraplex K=128 with max_loras=16, max_cpu_loras=32, every adapter
-forgotten before each of its runs (so each run reads all of them from disk). The loraplex rows run interleaved,
+forgotten before each of its runs (so each run reads all of them from disk); and the base model alone in K=128's
+batch shape (max_num_seqs = the mean number of sequences of K=128's decode steps): with 16 rows for ~48 distinct
+adapters K=128 runs three waves of ~21 sequences, and what the base model alone keeps of its speed in that shape
+is about the most K=128 / K=8 can reach. The loraplex rows run interleaved,
 on two engines kept warm alike (until 2026-11-26 each K=128 run built a fresh engine after the others had run:
 it paid the first touch of its KV pool's pages, and the machine's drift went into that row alone).
 With --model: the same requests on that model (a directory or a GGUF file), base-only and mixed over the
@@ -52,6 +55,16 @@ def make_adapters(hf_model, directory: Path, count: int, rank: int, seed: int = 
         loras.append(LoRARequest(f"adapter-{i}", str(path)))
     peft_model.unload()  # the base modules back, unchanged
     return loras
+
+
+def decode_batch_shape(llm: LLM, after_step: int) -> int:
+    """The mean number of sequences of the decode-only steps the engine ran after step `after_step` (its trace)."""
+    sizes = [
+        len(record.scheduled)
+        for record in llm.engine.step_trace
+        if record.step > after_step and all(n == 1 for _, n in record.scheduled)
+    ]
+    return max(1, round(statistics.mean(sizes))) if sizes else 1
 
 
 def time_loraplex(llm: LLM, prompts, output_len: int, loras) -> float:
@@ -144,15 +157,24 @@ def random_model_runs(args: argparse.Namespace, prompts: list[list[int]]) -> dic
         churn = LLM(model=base, enable_lora=True, max_loras=16, max_lora_rank=args.rank, max_cpu_loras=32, **common)
         time_loraplex(llm, prompts[:4], 4, k8[:4])  # warm-up
         time_loraplex(churn, prompts[:4], 4, k128[:4])
+        shaped = None  # the base model alone in K=128's batch shape, made once that shape is known
         for _ in range(args.repeat):  # interleaved, so a noisy neighbour or a drifting machine hits all alike
             runs["loraplex base-only"].append(time_loraplex(llm, prompts, args.output_len, None))
             runs["loraplex K=8"].append(time_loraplex(llm, prompts, args.output_len, k8))
             for lora in loras:  # forgotten in every tier: each run reads every adapter cold from disk
                 churn.engine.remove_adapter(lora)
+            before = churn.engine.stats.num_steps
             runs["loraplex K=128 (16 rows, 32 in host memory)"].append(
                 time_loraplex(churn, prompts, args.output_len, k128)
             )
-        del llm, churn
+            if shaped is None:
+                shape = decode_batch_shape(churn, before)
+                shaped = LLM(model=base, **{**common, "max_num_seqs": shape})
+                time_loraplex(shaped, prompts[:4], 4, None)
+            runs[f"{SHAPED_ROW} {shaped.engine.config.max_num_seqs}"].append(
+                time_loraplex(shaped, prompts, args.output_len, None)
+            )
+        del llm, churn, shaped
         if not args.skip_peft:
             from peft import PeftModel
 
@@ -170,6 +192,9 @@ def random_model_runs(args: argparse.Namespace, prompts: list[list[int]]) -> dic
     return runs
 
 
+SHAPED_ROW = "loraplex base-only, max_num_seqs"
+
+
 def report(results: dict) -> None:
     print(f"\n{'run':<46}{'tok/s':>10}")
     for name, row in results.items():
@@ -180,6 +205,9 @@ def report(results: dict) -> None:
     k128 = results.get("loraplex K=128 (16 rows, 32 in host memory)")
     if k128:
         print(f"K=128 / K=8:     {k128['tok_s'] / results['loraplex K=8']['tok_s']:.2f}")
+    shaped = next((name for name in results if name.startswith(SHAPED_ROW)), None)
+    if shaped:
+        print(f"base-only in K=128's batch shape / base-only: {results[shaped]['tok_s'] / base:.2f}")
     peft_best = max((r["tok_s"] for n, r in results.items() if n.startswith("peft")), default=None)
     if peft_best:
         print(f"K=8 / best peft: {results['loraplex K=8']['tok_s'] / peft_best:.2f}")
