@@ -50,7 +50,7 @@ def test_first_tokens_at_once_then_every_interval_steps_and_the_rest_with_the_la
     assert len(coalescer) == 0  # nothing held for a finished request
 
 
-def test_joined_deltas_keep_each_sample_apart_with_its_logprobs_and_the_first_metrics():
+def test_joined_deltas_keep_each_sample_apart_with_its_logprobs_and_the_earlier_metrics():
     coalescer = DeltaCoalescer()
     first = delta(0, samples=(0, 1), logprobs=True)
     assert coalescer.push(first, 4) == [first]
@@ -62,6 +62,7 @@ def test_joined_deltas_keep_each_sample_apart_with_its_logprobs_and_the_first_me
     assert [lp.token_id for lp in joined.outputs[1].logprobs] == [101, 102, 103]
     assert joined.outputs[0].finish_reason == joined.outputs[1].finish_reason == "stop"
     assert joined.finished
+    assert delta(0).extended(delta(1)).metrics == {"queue_s": 0.5}  # what the first step said is kept
 
 
 def test_a_failure_comes_after_the_tokens_held_before_it():
