@@ -11,8 +11,10 @@ between one `loraplex serve` (no auth, its own SQLite registry, the same engine 
 requests (fresh prompt ids each time, so no run hits the prefix cache) streamed over HTTP, at each concurrency in
 turn, after a warm-up request per adapter; the highest concurrency runs --runs times too, and its median run
 counts. Server / offline there is the gateway's whole overhead: HTTP, tokens to text, SSE, accounting, and
-requests arriving over time instead of all at once. Prints a table, writes latency.json and
-latency_vs_concurrency.png.
+requests arriving over time instead of all at once. Each run at the highest concurrency also follows one offline
+run of its own (the server idle meanwhile), and the median of those pairs' ratios is printed beside the first: on a
+host whose speed drifts by 20% within minutes the runs before and after the server can miss what the server met.
+Prints a table, writes latency.json and latency_vs_concurrency.png.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from bench import BenchError, plots
@@ -78,7 +81,9 @@ def measure(args: argparse.Namespace, levels: list[int]) -> dict:
         model, adapters, rank = prepare_model(args, Path(tmp))
         workload_file = workload.write(Path(tmp) / "workload.json", model, adapters, rank)
         body = json.loads(workload_file.read_text())
+        pair_file = replace(workload, runs=1).write(Path(tmp) / "pair-workload.json", model, adapters, rank)
         before = run_offline(workload_file, args.threads, bool(adapters))
+        pairs: list[tuple[float, float]] = []  # (offline tok/s, server tok/s) run back to back at the top level
         names = [name for name, _ in adapters]
         served = "bench-base"
         serve_args = [
@@ -102,7 +107,10 @@ def measure(args: argparse.Namespace, levels: list[int]) -> dict:
                 for repeat in range(args.runs if level == levels[-1] else 1):
                     fresh = workload.requests(vocab_size, len(adapters), run=1000 * (repeat + 1) + level)
                     specs = [spec(i, ids, model_of(a), args.output_len) for i, (ids, a) in enumerate(fresh)]
+                    alone = run_offline(pair_file, args.threads, bool(adapters)) if level == levels[-1] else None
                     repeats.append(serve_run(specs, target, level))
+                    if alone is not None:
+                        pairs.append((alone["output_tokens"] / alone["walls_s"][0], repeats[-1]["output_throughput"]))
                 repeats.sort(key=lambda run: run["output_throughput"])  # the median run (the upper one of two)
                 runs.append({**repeats[len(repeats) // 2], "throughputs": [r["output_throughput"] for r in repeats]})
         offline = both_sides(before, run_offline(workload_file, args.threads, bool(adapters)))
@@ -115,6 +123,11 @@ def measure(args: argparse.Namespace, levels: list[int]) -> dict:
         "offline": offline,
         "runs": runs,
         "server_over_offline": top["output_throughput"] / offline["output_tok_s"],
+        "paired": {
+            "offline_tok_s": [alone for alone, _ in pairs],
+            "server_tok_s": [served for _, served in pairs],
+            "server_over_offline": statistics.median(served / alone for alone, served in pairs),
+        },
     }
     print_table(result)
     (args.result_dir / "latency.json").write_text(json.dumps(result, indent=2))
@@ -163,6 +176,9 @@ def print_table(result: dict) -> None:
     top = result["runs"][-1]
     runs = ", ".join(f"{t:.1f}" for t in top["throughputs"])
     print(f"server at concurrency {top['concurrency']} / offline: {result['server_over_offline']:.2f} (runs: {runs})")
+    paired = result["paired"]
+    pairs = ", ".join(f"{s:.1f}/{o:.1f}" for o, s in zip(paired["offline_tok_s"], paired["server_tok_s"]))
+    print(f"each run after an offline run of its own: {paired['server_over_offline']:.2f} (server/offline: {pairs})")
 
 
 if __name__ == "__main__":
