@@ -11,9 +11,9 @@ grouped by adapter (`set_adapter`); loraplex K=128 with max_loras=16, max_cpu_lo
 forgotten before each of its runs (so each run reads all of them from disk); and the base model alone in K=128's
 batch shape (max_num_seqs = the mean number of sequences of K=128's decode steps): with 16 rows for ~48 distinct
 adapters K=128 runs three waves of ~21 sequences, and what the base model alone keeps of its speed in that shape
-is about the most K=128 / K=8 can reach. The loraplex rows run interleaved,
-on two engines kept warm alike (until 2026-11-26 each K=128 run built a fresh engine after the others had run:
-it paid the first touch of its KV pool's pages, and the machine's drift went into that row alone).
+is about the most K=128 / K=8 can reach. The loraplex rows run interleaved, on engines kept warm alike (until
+2026-11-26 each K=128 run built a fresh engine after the others had run: it paid the first touch of its KV pool's
+pages, and the machine's drift went into that row alone).
 With --model: the same requests on that model (a directory or a GGUF file), base-only and mixed over the
 given adapters (one row per adapter in the engine, each request's drawn uniformly); no peft rows.
 """

@@ -30,7 +30,7 @@ class DeltaCoalescer:
     def push(self, out: RequestOutput, interval: int) -> list[RequestOutput]:
         """Takes a request's delta of this step; returns what to hand its stream now, in order (none, one joined
         delta, or the held delta and then a failed request's error output)."""
-        if interval <= 1 and out.request_id not in self._held:
+        if interval <= 1:  # a stream's interval is fixed when it starts: nothing of it is ever held
             return [out]
         held = self._held.setdefault(out.request_id, _Held())
         if out.finished or out.error is not None:
