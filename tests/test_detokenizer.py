@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from bench.tokenizer import train_tokenizer
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, rust_decoder
 
 PIECES = ["東京", "🙂", "café", " ", "the ", "Alice", "\n", "naïve", "ß", "ok."]
 
@@ -46,6 +46,50 @@ def test_random_token_ids_stream_to_decode(tokenizer):
         expected = tokenizer.decode(ids, skip_special_tokens=skip)
         assert "".join(stream(detok, ids, chunks)) == expected
         assert detok.text == expected and not detok.stopped
+
+
+def window_path(detok: IncrementalDetokenizer) -> IncrementalDetokenizer:
+    detok._stream = None  # decode windows through transformers, as for a tokenizer DecodeStream does not fit
+    return detok
+
+
+def test_the_rust_stream_gives_the_window_paths_deltas(tokenizer):
+    """DecodeStream (the fast path) against the windows decoded through transformers, on random ids after random
+    prompts (which may end inside a character), with and without stop strings: the same delta at every push of one
+    token (a decode step's), the same text when pushes carry several (the stream may release some of it sooner)."""
+    assert rust_decoder(tokenizer) is tokenizer.backend_tokenizer
+    rng = random.Random(2)
+    streamed_prompts = 0
+    for _ in range(400):
+        prompt_ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 8))]
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 25))]
+        skip = rng.random() < 0.5
+        stop = rng.choice([(), ("\x00never\x00",), ("e",), ("th",)])
+        chunks = [rng.randint(1, 3) for _ in ids] if rng.random() < 0.5 else [1] * len(ids)
+        fast = IncrementalDetokenizer(tokenizer, stop, skip_special_tokens=skip, prompt_token_ids=prompt_ids)
+        slow = window_path(
+            IncrementalDetokenizer(tokenizer, stop, skip_special_tokens=skip, prompt_token_ids=prompt_ids)
+        )
+        streamed_prompts += fast._stream is not None and bool(prompt_ids)
+        fast_deltas, slow_deltas = stream(fast, ids, chunks), stream(slow, ids, chunks)
+        assert fast_deltas == slow_deltas if set(chunks) == {1} else "".join(fast_deltas) == "".join(slow_deltas)
+        assert (fast.text, fast.stopped, fast.stop_string) == (slow.text, slow.stopped, slow.stop_string)
+    assert streamed_prompts > 200  # most took the fast path (a prompt window ending mid-character does not)
+
+
+def test_tokenizers_whose_decode_differs_keep_the_window_path(tokenizer):
+    cleaned = train_tokenizer()
+    cleaned.clean_up_tokenization_spaces = True  # transformers edits the text after the Rust decode
+    assert rust_decoder(cleaned) is None and IncrementalDetokenizer(cleaned)._stream is None
+
+    class OwnDecode(PreTrainedTokenizerFast):
+        def decode(self, *args, **kwargs):
+            return super().decode(*args, **kwargs).upper()
+
+    own = OwnDecode(tokenizer_object=tokenizer.backend_tokenizer)
+    assert rust_decoder(own) is None and rust_decoder(object()) is None
+    ids = encode(tokenizer, "hello world")
+    assert "".join(stream(IncrementalDetokenizer(own), ids)) == "HELLO WORLD"
 
 
 def test_multibyte_text_streams_whole_characters(tokenizer):
