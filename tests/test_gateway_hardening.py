@@ -190,8 +190,7 @@ def test_a_runaway_request_template_is_stopped_at_its_budget_and_health_stays_fa
         elapsed = time.perf_counter() - start
     assert_openai_error(response, 400, param="messages", text="longer than 1 s")
     assert elapsed < 5
-    # The loop answered all along: many polls within the render's second, none waiting out half of it.
-    assert len(seen) >= 5, f"only {len(seen)} /health answers while the template rendered for 1 s"
+    # The loop answered all along: a render on it would have held the poll in flight for the whole second.
     assert_health_stayed_fast(seen, budget_s=TEMPLATE_BUDGET_S / 2)
     time.sleep(0.2)  # the render's thread was interrupted: it is gone, not burning a core
     assert not [t for t in threading.enumerate() if t.name == "chat-template"]
