@@ -13,6 +13,10 @@ if TYPE_CHECKING:
     from gateway.settings import ServeSettings
 
 
+# Engine options `generate` has no flag for: its --seed is the sampling seed, and it streams nothing to space out.
+GENERATE_SKIPS = frozenset({"seed", "stream_interval"})
+
+
 def _generate(args: argparse.Namespace) -> None:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
@@ -186,7 +190,7 @@ def _engine_settings(args: argparse.Namespace) -> EngineSettings:
     from gateway.engine_settings import EngineSettings
     from loraplex.flags import settings_from_args
 
-    return settings_from_args(EngineSettings, args, "generate", skip={"seed"})
+    return settings_from_args(EngineSettings, args, "generate", skip=GENERATE_SKIPS)
 
 
 def _db_upgrade(args: argparse.Namespace) -> None:
@@ -223,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="render each prompt as a user turn with the chat template (default: when the model has one)",
     )
-    add_settings_flags(gen, EngineSettings, skip={"seed"})
+    add_settings_flags(gen, EngineSettings, skip=GENERATE_SKIPS)
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser(

@@ -60,3 +60,13 @@ def test_bench_commands_parse_their_own_options(bench, capsys):
     with pytest.raises(SystemExit) as done:
         cli.main(["generate", "--no-such-option"])
     assert done.value.code == 2 and "--no-such-option" in capsys.readouterr().err
+
+
+def test_generate_has_no_stream_interval_flag_and_serve_has(capsys):
+    """`--stream-interval` spaces out a server's SSE chunks; offline generation streams nothing, so no flag there."""
+    with pytest.raises(SystemExit) as done:
+        cli.main(["generate", "--stream-interval", "4"])
+    assert done.value.code == 2 and "--stream-interval" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        cli.main(["serve", "--help"])
+    assert done.value.code == 0 and "--stream-interval" in capsys.readouterr().out
