@@ -36,6 +36,9 @@ from bench.engine import build_model, workload
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
+K128_ROW = "loraplex K=128 (16 rows, 32 in host memory)"
+SHAPED_ROW = "loraplex base-only, max_num_seqs"  # + the batch shape: the base model alone in K=128's shape
+
 
 def make_adapters(hf_model, directory: Path, count: int, rank: int, seed: int = 0) -> list[LoRARequest]:
     """`count` random rank-`rank` adapters on all linear modules, written by peft; one peft model reused."""
@@ -164,9 +167,7 @@ def random_model_runs(args: argparse.Namespace, prompts: list[list[int]]) -> dic
             for lora in loras:  # forgotten in every tier: each run reads every adapter cold from disk
                 churn.engine.remove_adapter(lora)
             before = churn.engine.stats.num_steps
-            runs["loraplex K=128 (16 rows, 32 in host memory)"].append(
-                time_loraplex(churn, prompts, args.output_len, k128)
-            )
+            runs[K128_ROW].append(time_loraplex(churn, prompts, args.output_len, k128))
             if shaped is None:
                 shape = decode_batch_shape(churn, before)
                 shaped = LLM(model=base, **{**common, "max_num_seqs": shape})
@@ -192,9 +193,6 @@ def random_model_runs(args: argparse.Namespace, prompts: list[list[int]]) -> dic
     return runs
 
 
-SHAPED_ROW = "loraplex base-only, max_num_seqs"
-
-
 def report(results: dict) -> None:
     print(f"\n{'run':<46}{'tok/s':>10}")
     for name, row in results.items():
@@ -202,7 +200,7 @@ def report(results: dict) -> None:
     base = results["loraplex base-only"]["tok_s"]
     mixed = next(name for name in results if name.startswith("loraplex K=") and "128" not in name)
     print(f"\n{mixed.removeprefix('loraplex ')} / base-only: {results[mixed]['tok_s'] / base:.2f}")
-    k128 = results.get("loraplex K=128 (16 rows, 32 in host memory)")
+    k128 = results.get(K128_ROW)
     if k128:
         print(f"K=128 / K=8:     {k128['tok_s'] / results['loraplex K=8']['tok_s']:.2f}")
     shaped = next((name for name in results if name.startswith(SHAPED_ROW)), None)
