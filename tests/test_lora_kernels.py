@@ -14,6 +14,13 @@ from kernels.lora import torch_ops as torch_module
 
 torch_ops = get_lora_ops("torch")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_DEVICE = "cpu" if INTERPRETED else "cuda"  # the Triton tests run compiled on a GPU where there is one
+
+
+def device_of(backend: str) -> str:
+    return TRITON_DEVICE if backend == "triton" else "cpu"
+
+
 LAYERS = {  # (H_in, output_slices): odd sizes, and packed layers
     "dense": (72, (136,)),
     "qkv": (100, (40, 24, 24)),
@@ -258,8 +265,8 @@ def test_meta_groups_tokens_by_adapter():
 @pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 def test_no_adapter_in_the_batch_does_nothing(backend):
     ops = get_lora_ops(backend)
-    case = make_case(7, 3, 8, "uniform", "qkv")
-    meta = LoraMeta.build([-1] * 7, "cpu")
+    case = make_case(7, 3, 8, "uniform", "qkv", device=device_of(backend))
+    meta = LoraMeta.build([-1] * 7, device_of(backend))
     out, y = case.out.clone(), case.y.clone()
     ops.lora_shrink(out, case.x, case.lora_a, meta)
     ops.lora_expand(y, case.expected_z, case.lora_b, meta, case.output_slices)
@@ -271,7 +278,7 @@ def test_no_adapter_in_the_batch_does_nothing(backend):
 def test_rows_without_adapter_untouched(backend):
     """NaN inputs on the -1 rows must neither be written nor leak into other rows."""
     ops = get_lora_ops(backend)
-    case = make_case(9, 3, 8, "uniform", "qkv")
+    case = make_case(9, 3, 8, "uniform", "qkv", device=device_of(backend))
     idx = case.token_adapter_idx
     assert -1 in idx and any(i >= 0 for i in idx)
     y = case.y.clone()
@@ -284,17 +291,18 @@ def test_rows_without_adapter_untouched(backend):
 def test_strided_views_and_given_buffer(backend):
     """x, y and out as column views of wider tensors, as a fused projection makes them."""
     ops = get_lora_ops(backend)
-    case = make_case(11, 3, 8, "skewed", "qkv")
-    wide_x = torch.full((11, case.x.shape[1] + 7), float("nan"))
+    device = device_of(backend)
+    case = make_case(11, 3, 8, "skewed", "qkv", device=device)
+    wide_x = torch.full((11, case.x.shape[1] + 7), float("nan"), device=device)
     x = wide_x[:, 3 : 3 + case.x.shape[1]]
     x.copy_(case.x)
-    wide_y = torch.zeros(11, case.y.shape[1] + 5)
+    wide_y = torch.zeros(11, case.y.shape[1] + 5, device=device)
     y = wide_y[:, 5:]
     y.copy_(case.y)
-    buffer = torch.zeros(11, case.out.shape[1] + 2)[:, 1:-1]
+    buffer = torch.zeros(11, case.out.shape[1] + 2, device=device)[:, 1:-1]
     ops.add_lora(y, x, case.lora_a, case.lora_b, case.meta, case.output_slices, buffer=buffer)
     assert_rows(y, case.expected_y, case.has_adapter)
-    assert torch.equal(wide_y[:, :5], torch.zeros(11, 5))
+    assert torch.equal(wide_y[:, :5].cpu(), torch.zeros(11, 5))
 
 
 TRITON_CASES = [  # (T, N, R, popularity, layer, with_pads): the interpreter is slow, so a representative few
@@ -314,7 +322,7 @@ TRITON_CASES = [  # (T, N, R, popularity, layer, with_pads): the interpreter is 
 
 @pytest.mark.parametrize(("num_tokens", "num_adapters", "rank", "popularity", "layer", "with_pads"), TRITON_CASES)
 def test_triton_ops_match_torch_ops(num_tokens, num_adapters, rank, popularity, layer, with_pads):
-    case = make_case(num_tokens, num_adapters, rank, popularity, layer, with_pads)
+    case = make_case(num_tokens, num_adapters, rank, popularity, layer, with_pads, device=TRITON_DEVICE)
     triton_ops = get_lora_ops("triton")
     check_ops(triton_ops, case)
     outs, ys = [], []
@@ -343,7 +351,7 @@ BF16_DOT_BROKEN = pytest.mark.skipif(
 )
 @pytest.mark.parametrize("popularity", ["uniform", "segments"])
 def test_half_precision(backend, dtype, popularity):
-    case = make_case(64, 8, 16, popularity, "qkv", dtype=dtype)
+    case = make_case(64, 8, 16, popularity, "qkv", dtype=dtype, device=device_of(backend))
     y = case.y.clone()
     get_lora_ops(backend).add_lora(y, case.x, case.lora_a, case.lora_b, case.meta, case.output_slices)
     assert y.dtype == dtype
@@ -376,7 +384,7 @@ def test_cpu_ops_run_bfloat16_in_cpp_at_least_as_close_as_torch(popularity, requ
 @pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 def test_ops_reject_mismatched_shapes(backend):
     ops = get_lora_ops(backend)
-    case = make_case(7, 3, 8, "uniform", "qkv")
+    case = make_case(7, 3, 8, "uniform", "qkv", device=device_of(backend))
     with pytest.raises(ValueError, match="lora_a"):
         ops.lora_shrink(case.out, case.x[:, :-1], case.lora_a, case.meta)
     with pytest.raises(ValueError, match="past the 2 stacked rows"):

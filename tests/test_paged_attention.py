@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ SCENARIOS = {
 }
 GQA = [(4, 4), (4, 2), (8, 2), (9, 3)]  # (Hq, Hkv): ratios 1, 2, 4, 3 (SmolLM2's 9 / 3)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_DEVICE = "cpu" if INTERPRETED else "cuda"  # the Triton tests run compiled on a GPU where there is one
 
 
 @dataclass
@@ -63,9 +65,12 @@ def slots_of(table, positions, block_size):
     return [table[p // block_size] * block_size + p % block_size for p in positions]
 
 
-def make_batch(scenario, num_heads, num_kv_heads, block_size, head_dim=32, num_pad=0, dtype=torch.float32) -> Batch:
+def make_batch(
+    scenario, num_heads, num_kv_heads, block_size, head_dim=32, num_pad=0, dtype=torch.float32, device="cpu"
+) -> Batch:
     """Random seqs on random non-contiguous blocks; the step's tokens are prefill chunks, decodes, pads.
-    A prefill chunk after a cached prefix has its first new token already cached, with slot -1."""
+    A prefill chunk after a cached prefix has its first new token already cached, with slot -1.
+    Drawn on the CPU (the same numbers for every device), then moved to `device`."""
     gen = torch.Generator().manual_seed(0)
     prefills, decodes = SCENARIOS[scenario]
     seqs = [*prefills, *((ctx - 1, 1) for ctx in decodes)]  # (cached, new)
@@ -102,9 +107,10 @@ def make_batch(scenario, num_heads, num_kv_heads, block_size, head_dim=32, num_p
         prefill_block_tables=tables[: len(prefills)],
         decode_context_lens=decodes,
         decode_block_tables=tables[len(prefills) :],
-        device="cpu",
+        device=device,
     )
-    q, k, v, expected = (torch.cat(rows) for rows in (q_rows, k_rows, v_rows, outs))
+    q, k, v, expected = (torch.cat(rows).to(device) for rows in (q_rows, k_rows, v_rows, outs))
+    caches, expected_caches = [c.to(device) for c in caches], [c.to(device) for c in expected_caches]
     return Batch(q, k, v, *caches, *expected_caches, expected, meta, head_dim**-0.5)
 
 
@@ -135,7 +141,7 @@ def test_decode_split_into_length_groups_matches_naive_reference(scenario, monke
 @pytest.mark.parametrize("scenario", ["mixed", "causal_prefill"])
 def test_non_contiguous_qkv_and_every_slot_stored(backend, scenario):
     """q, k, v as the model makes them: views into one fused qkv projection."""
-    b = make_batch(scenario, 8, 2, 16)
+    b = make_batch(scenario, 8, 2, 16, device=TRITON_DEVICE if backend == "triton" else "cpu")
     assert (b.meta.store_token_idx is None) == (scenario == "causal_prefill")
     qkv = torch.cat([b.q.flatten(1), b.k.flatten(1), b.v.flatten(1)], dim=1)  # [T, (Hq + 2 Hkv) * D]
     q, k, v = qkv.split([b.q[0].numel(), b.k[0].numel(), b.v[0].numel()], dim=1)
@@ -293,7 +299,7 @@ TRITON_CASES = [  # the interpreter is slow: "long" only with blocks of 16
 @pytest.mark.parametrize(("scenario", "num_heads", "num_kv_heads", "block_size"), TRITON_CASES)
 def test_triton_ops_match_torch_ops(scenario, num_heads, num_kv_heads, block_size):
     triton_ops = get_paged_attention("triton")
-    b = make_batch(scenario, num_heads, num_kv_heads, block_size, num_pad=2)
+    b = make_batch(scenario, num_heads, num_kv_heads, block_size, num_pad=2, device=TRITON_DEVICE)
     k_cache, v_cache = b.k_cache.clone(), b.v_cache.clone()
     triton_ops.store_kv(b.k, b.v, k_cache, v_cache, b.meta)
     torch_ops.store_kv(b.k, b.v, b.k_cache, b.v_cache, b.meta)
@@ -304,6 +310,36 @@ def test_triton_ops_match_torch_ops(scenario, num_heads, num_kv_heads, block_siz
     torch.testing.assert_close(out, b.expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("scenario", "block_size"), [("long", 16), ("mixed", 4), ("decode_only", 16)])
+def test_triton_split_decode_matches_naive_reference(scenario, block_size, monkeypatch):
+    """Decode keys split into partitions of 64 (flash-decoding) and merged: the same outputs; partitions past a
+    short context (decode_only has contexts of 1, 5, 40) must add nothing."""
+    triton_ops = get_paged_attention("triton")
+    monkeypatch.setattr(triton_ops, "DECODE_PARTITION", 64)
+    b = make_batch(scenario, 8, 2, block_size, num_pad=2, device=TRITON_DEVICE)
+    assert triton_ops.decode_partition(b.meta.num_decode_seqs * 2, b.meta.max_decode_context_len, 64, b.q.device)
+    out = paged_attention(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.scale, backend="triton")
+    torch.testing.assert_close(out, b.expected, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_splits_decode_only_where_the_device_would_idle():
+    triton_ops = get_paged_attention("triton")
+    cuda = torch.device("cuda")
+    triton_ops._multiprocessors.cache_clear()
+    try:
+        with mock.patch("torch.cuda.get_device_properties") as props:
+            props.return_value.multi_processor_count = 132
+            assert triton_ops.decode_partition(256 * 8, 4096, 64, cuda) is None  # 2048 programs already
+            assert triton_ops.decode_partition(8 * 8, 8192, 64, cuda) == 960  # 9 parts wanted: 911 keys, 64s
+            assert triton_ops.decode_partition(8 * 8, triton_ops.MIN_PARTITION, 64, cuda) is None  # too short
+            assert triton_ops.decode_partition(1, 1 << 20, 64, cuda) == (1 << 20) // triton_ops.MAX_PARTS
+    finally:
+        triton_ops._multiprocessors.cache_clear()
+    assert triton_ops.decode_partition(8, 8192, 64, torch.device("cpu")) is None  # the interpreter: never
+    with mock.patch.object(triton_ops, "DECODE_PARTITION", 0):
+        assert triton_ops.decode_partition(8, 8192, 64, cuda) is None  # 0: never split
+
+
 BF16_DOT_BROKEN = pytest.mark.skipif(
     INTERPRETED, reason="Triton's interpreter tl.dot multiplies bf16 bit patterns (triton#11584)"
 )
@@ -311,7 +347,7 @@ BF16_DOT_BROKEN = pytest.mark.skipif(
 
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=BF16_DOT_BROKEN)])
 def test_triton_ops_half_precision(dtype):
-    b = make_batch("mixed", 8, 2, 16, num_pad=1, dtype=dtype)
+    b = make_batch("mixed", 8, 2, 16, num_pad=1, dtype=dtype, device=TRITON_DEVICE)
     out = paged_attention(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.scale, backend="triton")
     assert out.dtype == dtype
     torch.testing.assert_close(b.k_cache, b.expected_k_cache, rtol=0, atol=0)
@@ -321,7 +357,7 @@ def test_triton_ops_half_precision(dtype):
 
 
 def test_triton_rejects_odd_head_dim():
-    b = make_batch("decode_only", 4, 2, 4, head_dim=24)
+    b = make_batch("decode_only", 4, 2, 4, head_dim=24, device=TRITON_DEVICE)
     with pytest.raises(ValueError, match="power of two"):
         get_paged_attention("triton").attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
 
