@@ -2,8 +2,13 @@
 
 Same signatures and semantics as torch_ops. Both attention kernels walk a seq's keys in tiles of BLOCK_N
 positions, look each position's block up in the block table, and keep an online softmax in fp32.
+Decode splits long contexts (flash-decoding, vLLM's paged_attention_v2): when a program per (seq, kv head) would
+leave the GPU's multiprocessors idle, each program takes one partition of the keys and writes its partial softmax
+state (max, sum, unnormalized output), and a second kernel merges the partitions of each (seq, q head).
 Imported only when the "triton" backend is chosen.
 """
+
+import functools
 
 import torch
 import triton
@@ -15,6 +20,13 @@ from .meta import PagedAttentionMeta
 PREFILL_BLOCK_M = 64  # query rows per prefill program
 KEY_TILE = 64  # keys per online-softmax step (or one whole block, if larger)
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
+DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}  # the decode kernels' launch options (Triton's defaults)
+PROGRAMS_PER_SM = 4  # split decode keys until about this many programs per multiprocessor are in flight
+MIN_PARTITION = 512  # keys per split-decode program, at least (a part's fixed cost and the merge weigh on fewer)
+MAX_PARTS = 64  # partitions per seq, at most (the merge holds them all in registers)
+# Keys per split-decode partition: None chooses from the batch and the device (above), 0 never splits, and a
+# positive number forces that many keys per part (tests, `loraplex bench gpu --sweep`).
+DECODE_PARTITION: int | None = None
 
 
 def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMeta) -> None:
@@ -63,12 +75,47 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionM
         )  # fmt: skip
     if num_decode:
         tables = meta.decode_block_tables
-        _decode_kernel[(num_decode, num_kv_heads)](
-            out, q, k_cache, v_cache, tables, meta.decode_context_lens, scale, num_prefill,
-            *strides, tables.stride(0),
-            group, head_dim, meta.block_size, block_n, precision, max(MIN_DOT, triton.next_power_of_2(group)),
-        )  # fmt: skip
+        heads_pad = max(MIN_DOT, triton.next_power_of_2(group))
+        partition = decode_partition(num_decode * num_kv_heads, meta.max_decode_context_len, block_n, q.device)
+        if partition is None:
+            _decode_kernel[(num_decode, num_kv_heads)](
+                out, q, k_cache, v_cache, tables, meta.decode_context_lens, scale, num_prefill,
+                *strides, tables.stride(0),
+                group, head_dim, meta.block_size, block_n, precision, heads_pad, **DECODE_LAUNCH,
+            )  # fmt: skip
+        else:
+            num_parts = triton.cdiv(meta.max_decode_context_len, partition)
+            part_acc = torch.empty(num_decode, num_parts, num_heads, head_dim, dtype=torch.float32, device=q.device)
+            part_max = torch.empty(num_decode, num_parts, num_heads, dtype=torch.float32, device=q.device)
+            part_sum = torch.empty_like(part_max)  # [D, num_parts, Hq]
+            _decode_split_kernel[(num_decode, num_kv_heads, num_parts)](
+                part_acc, part_max, part_sum, q, k_cache, v_cache, tables, meta.decode_context_lens, scale,
+                num_prefill, partition, q.stride(0), q.stride(1), *strides[4:], tables.stride(0),
+                group, head_dim, meta.block_size, block_n, precision, heads_pad, **DECODE_LAUNCH,
+            )  # fmt: skip
+            _decode_merge_kernel[(num_decode, num_heads)](
+                out, part_acc, part_max, part_sum, num_prefill, num_parts, out.stride(0), out.stride(1),
+                head_dim, triton.next_power_of_2(num_parts),
+            )  # fmt: skip
     return out
+
+
+def decode_partition(programs: int, max_context_len: int, block_n: int, device: torch.device) -> int | None:
+    """Keys per split-decode program (a multiple of block_n), or None when one program per (seq, kv head) already
+    fills the device (or the contexts are too short to split)."""
+    if DECODE_PARTITION is not None:
+        return max(block_n, triton.cdiv(DECODE_PARTITION, block_n) * block_n) if DECODE_PARTITION else None
+    if device.type != "cuda":
+        return None
+    wanted_parts = triton.cdiv(PROGRAMS_PER_SM * _multiprocessors(device), programs)
+    partition = max(MIN_PARTITION, triton.cdiv(max_context_len, min(wanted_parts, MAX_PARTS)))
+    partition = triton.cdiv(partition, block_n) * block_n
+    return partition if partition < max_context_len else None
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_cache(k_cache: Tensor, v_cache: Tensor, head_dim: int, block_size: int) -> None:
@@ -190,3 +237,63 @@ def _decode_kernel(
     out = acc / l_i[:, None]
     out_offs = token * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+@triton.jit
+def _decode_split_kernel(
+    part_acc_ptr, part_max_ptr, part_sum_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+    context_lens_ptr, scale, token_offset, partition,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HEADS_PAD: tl.constexpr,
+):  # fmt: skip
+    """Program (seq, kv head, part): the GROUP q heads attend keys [part * partition, +partition) of the seq;
+    writes their running max, sum of exp and unnormalized output (a part past the context: max -inf, sum 0)."""
+    seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_parts = tl.num_programs(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    token = (token_offset + seq).to(tl.int64)
+    group_rows = tl.arange(0, HEADS_PAD)
+    heads = kv_head * GROUP + group_rows
+    row_valid = group_rows < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q_offs = token * stride_qt + heads[:, None] * stride_qh + dims[None, :]  # [HEADS_PAD, HEAD_DIM]
+    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None], other=0.0)
+    q_pos = tl.full([HEADS_PAD], 0, dtype=tl.int32) + context_len - 1
+    acc = tl.zeros([HEADS_PAD, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([HEADS_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([HEADS_PAD], dtype=tl.float32)
+    key_end = tl.minimum(context_len, (part + 1) * partition)
+    for key_start in range(part * partition, key_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, key_start,
+            context_len, q_pos, kv_head, scale, stride_cb, stride_cs, stride_ch,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+        )  # fmt: skip
+    # partials are laid out [seq, part, q head, (dim)], contiguous
+    row = (seq.to(tl.int64) * num_parts + part) * (tl.num_programs(1) * GROUP) + heads  # [HEADS_PAD]
+    tl.store(part_max_ptr + row, m_i, mask=row_valid)
+    tl.store(part_sum_ptr + row, l_i, mask=row_valid)
+    tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
+
+
+@triton.jit
+def _decode_merge_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token_offset, num_parts, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, PARTS_PAD: tl.constexpr,
+):  # fmt: skip
+    """Program (seq, q head): out = sum_p exp(m_p - m) acc_p / sum_p exp(m_p - m) l_p, m = max_p m_p."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    parts = tl.arange(0, PARTS_PAD)
+    part_valid = parts < num_parts
+    rows = (seq.to(tl.int64) * num_parts + parts) * num_heads + head  # [PARTS_PAD]
+    m_p = tl.load(part_max_ptr + rows, mask=part_valid, other=float("-inf"))
+    l_p = tl.load(part_sum_ptr + rows, mask=part_valid, other=0.0)
+    m = tl.max(m_p, axis=0)  # every seq has >= 1 key, so part 0 is finite
+    weight = tl.where(part_valid & (l_p > 0), tl.exp(m_p - m), 0.0)  # [PARTS_PAD]
+    dims = tl.arange(0, HEAD_DIM)
+    acc_p = tl.load(part_acc_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=part_valid[:, None], other=0.0)
+    out = tl.sum(acc_p * weight[:, None], axis=0) / tl.sum(l_p * weight, axis=0)  # [HEAD_DIM]
+    token = (token_offset + seq).to(tl.int64)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
