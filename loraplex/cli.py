@@ -122,6 +122,12 @@ def _bench_peer(args: argparse.Namespace) -> None:
     bench_main(args.bench_args)
 
 
+def _bench_gpu(args: argparse.Namespace) -> None:
+    from bench.gpu import main as bench_main
+
+    bench_main(args.bench_args)
+
+
 def _bench_sweep(args: argparse.Namespace) -> None:
     from bench.sweep import main as bench_main
 
@@ -285,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     replicas.set_defaults(func=_bench_replicas)
+    gpu = bench_sub.add_parser(
+        "gpu",
+        help="CUDA: Triton kernels' bandwidth (paged decode attention, shrink/expand) and the engine's LoRA / base",
+        add_help=False,
+    )
+    gpu.set_defaults(func=_bench_gpu)
     return parser
 
 

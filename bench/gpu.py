@@ -1,0 +1,477 @@
+"""`loraplex bench gpu`: the Triton kernels and the engine on a CUDA device, as figures.
+
+    loraplex bench gpu [--sections ceilings,attention,lora,engine] [--dtype bfloat16] [--sweep] [--json F]
+    python -m bench.gpu ...            (the same, without the CLI's gateway imports)
+
+ceilings   the two rates every other figure is read against: a device-to-device copy (bytes read + written per
+           second) and a large matrix product (TFLOP/s), measured here, not taken from a datasheet.
+attention  the Triton paged decode attention on decode shapes (Llama-3-8B heads: 32 q, 8 kv, head_dim 128,
+           blocks of 16, random block tables): achieved bandwidth = the fewest bytes it must move (each seq's K
+           and V once, q read, out written) over its median time, as a share of the copy's; the torch backend's
+           time beside it, and the largest error against it.
+lora       shrink, expand and add_lora (Triton) on decode shapes (one token per seq, H 4096, qkv slices 4096 /
+           1024 / 1024): bandwidth over the adapters' A (shrink) or B (expand) rows in use plus activations.
+engine     W1 of ../shared/peers (the random 56M Llama, 64 requests of 128 prompt ids, 64 greedy output tokens,
+           K=8 rank-8 adapters on all seven modules) through the offline LLM on the device, base then LoRA, and
+           a bigger random Llama (1B-class layers, 8 of them) the same way: output tok/s and LoRA / base.
+
+--sweep also times the kernels under several launch settings (key tile, warps, pipeline stages, split-decode
+partition) and prints the best, to choose the modules' defaults. Kernel times are Triton's do_bench medians
+(CUDA events, L2 flushed before each run). Without a CUDA device the sections run their code once, interpreted
+on the CPU, on tiny shapes (--smoke; a check that the script works, with no meaningful figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+SECTIONS = ("ceilings", "attention", "lora", "engine")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# The datasheet HBM bandwidth by device name, printed beside the measured copy (bytes/s)
+DATASHEET_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H200": 4.8e12, "A100-SXM4-80GB": 2.04e12}
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """A decode step: `batch` seqs of `context` keys each (the new one included)."""
+
+    batch: int
+    context: int
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """A decode step's LoRA layer: `tokens` tokens over `adapters` distinct adapters (uniform) of rank `rank`."""
+
+    tokens: int
+    adapters: int
+    rank: int
+    hidden_in: int = 4096
+    output_slices: tuple[int, ...] = (4096, 1024, 1024)
+
+
+ATTENTION_SHAPES = [
+    AttentionShape(64, 512),
+    AttentionShape(64, 2048),
+    AttentionShape(256, 1024),
+    AttentionShape(16, 4096),
+    AttentionShape(4, 16384),
+]
+LORA_SHAPES = [LoraShape(64, 8, 16), LoraShape(256, 32, 16), LoraShape(256, 128, 16), LoraShape(256, 64, 64)]
+SWEEP_LAUNCHES = ((4, 2), (4, 3), (8, 2), (8, 3))  # (num_warps, num_stages)
+SWEEP_REP = 60  # ms of timed runs per setting
+SMOKE_ATTENTION = [AttentionShape(3, 70, 4, 2, 16, 16)]
+SMOKE_LORA = [LoraShape(5, 2, 8, 64, (64, 32))]
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, rep: int = 200) -> float:
+    """Median milliseconds of fn: do_bench on CUDA (events, L2 flushed per run); a few wall-clock runs elsewhere."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        runs.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(runs)
+
+
+@contextlib.contextmanager
+def patched(module, **values) -> Iterator[None]:
+    """The module's constants set to `values` for the block (the sweep's launch settings)."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def ceilings(device: torch.device, dtype: torch.dtype, smoke: bool) -> dict:
+    n = 1 << (16 if smoke else 29)  # 1 GiB of fp16 / bf16: far past L2
+    src = torch.randn(n, device=device, dtype=dtype)
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(partial(dst.copy_, src), device)
+    size = 256 if smoke else 8192
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    mm_ms = time_ms(lambda: a @ b, device)
+    row = {
+        "copy_bytes_per_s": 2 * src.numel() * src.element_size() / (copy_ms / 1e3),
+        "matmul_tflops": 2 * size**3 / (mm_ms / 1e3) / 1e12,
+    }
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        row["device"] = name
+        row["datasheet_bytes_per_s"] = next((v for k, v in DATASHEET_BANDWIDTH.items() if k in name), None)
+    print(f"copy {row['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write), {dtype} matmul "
+          f"{row['matmul_tflops']:.0f} TFLOP/s", flush=True)  # fmt: skip
+    return row
+
+
+def attention_batch(shape: AttentionShape, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """(q, k_cache, v_cache, meta, scale) of one decode step on random non-contiguous blocks."""
+    from kernels.paged_attention import PagedAttentionMeta
+
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = -(-shape.context // shape.block_size)
+    num_blocks = shape.batch * blocks_per_seq
+    tables = torch.randperm(num_blocks, generator=gen).view(shape.batch, blocks_per_seq)  # [B, nb]
+    last = (shape.context - 1) // shape.block_size, (shape.context - 1) % shape.block_size
+    slots = (tables[:, last[0]] * shape.block_size + last[1]).tolist()
+    meta = PagedAttentionMeta.build(
+        torch.tensor(slots), shape.block_size, [], [], [], [shape.context] * shape.batch, tables.tolist(), device
+    )
+    kv = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    k_cache, v_cache = (torch.randn(kv, generator=gen).to(device, dtype) for _ in range(2))
+    q = torch.randn(shape.batch, shape.num_heads, shape.head_dim, generator=gen).to(device, dtype)
+    return q, k_cache, v_cache, meta, shape.head_dim**-0.5
+
+
+def attention_bytes(shape: AttentionShape, element_size: int) -> int:
+    kv = shape.batch * shape.context * shape.num_kv_heads * shape.head_dim * 2
+    q_out = shape.batch * shape.num_heads * shape.head_dim * 2
+    return (kv + q_out) * element_size + shape.batch * -(-shape.context // shape.block_size) * 4
+
+
+def attention_rows(device, dtype, shapes, copy_rate: float, sweep: bool, sweep_partitions: bool) -> list[dict]:
+    from kernels.paged_attention import torch_ops, triton_ops
+
+    rows = []
+    for shape in shapes:
+        q, k_cache, v_cache, meta, scale = attention_batch(shape, device, dtype)
+        ref = torch_ops.attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+        out = triton_ops.attention(q, k_cache, v_cache, meta, scale)
+        error = ((out.float() - ref).norm() / ref.norm()).item()
+        nbytes = attention_bytes(shape, q.element_size())
+        triton_ms = time_ms(partial(triton_ops.attention, q, k_cache, v_cache, meta, scale), device)
+        torch_ms = time_ms(partial(torch_ops.attention, q, k_cache, v_cache, meta, scale), device)
+        row = {
+            **shape.__dict__,
+            "bytes": nbytes,
+            "partition": triton_ops.decode_partition(
+                shape.batch * shape.num_kv_heads, shape.context, max(triton_ops.KEY_TILE, shape.block_size), device
+            ),
+            "triton_ms": triton_ms,
+            "torch_ms": torch_ms,
+            "bytes_per_s": nbytes / (triton_ms / 1e3),
+            "rel_error": error,
+        }
+        row["of_copy"] = row["bytes_per_s"] / copy_rate
+        if sweep:
+            row["sweep"] = attention_sweep(q, k_cache, v_cache, meta, scale, nbytes, device)
+        if sweep_partitions:
+            row["partitions"] = partition_sweep(q, k_cache, v_cache, meta, scale, nbytes, device)
+        rows.append(row)
+        print(f"attention batch {shape.batch:>4} ctx {shape.context:>6}: {triton_ms * 1e3:8.1f} us "
+              f"{row['bytes_per_s'] / 1e12:5.2f} TB/s = {row['of_copy']:.0%} of copy  (torch {torch_ms * 1e3:8.1f} us,"
+              f" split {row['partition']}, rel err {error:.1e})", flush=True)  # fmt: skip
+    return rows
+
+
+def attention_sweep(q, k_cache, v_cache, meta, scale, nbytes, device) -> list[dict]:
+    """Decode attention under each (key tile, warps, stages, partition), fastest first."""
+    from kernels.paged_attention import triton_ops
+
+    results = []
+    for key_tile in (32, 64, 128):
+        for warps, stages in SWEEP_LAUNCHES:
+            for partition in (None, 512, 1024):
+                if partition is not None and partition >= meta.max_decode_context_len:
+                    continue
+                launch = {"num_warps": warps, "num_stages": stages}
+                with patched(triton_ops, KEY_TILE=key_tile, DECODE_LAUNCH=launch, DECODE_PARTITION=partition):
+                    try:
+                        ms = time_ms(partial(triton_ops.attention, q, k_cache, v_cache, meta, scale), device, SWEEP_REP)
+                    except Exception as e:  # a setting the compiler refuses (shared memory)
+                        results.append({"key_tile": key_tile, **launch, "partition": partition, "error": str(e)[:200]})
+                        continue
+                tb_s = nbytes / (ms / 1e3) / 1e12
+                results.append({"key_tile": key_tile, **launch, "partition": partition, "ms": ms, "tb_s": tb_s})
+    results.sort(key=lambda r: r.get("ms", float("inf")))
+    best = results[0]
+    print(f"    best: key tile {best['key_tile']}, {best['num_warps']} warps, {best['num_stages']} stages, "
+          f"partition {best['partition']}: {best['ms'] * 1e3:.1f} us {best['tb_s']:.2f} TB/s", flush=True)  # fmt: skip
+    return results
+
+
+def partition_sweep(q, k_cache, v_cache, meta, scale, nbytes, device) -> dict[str, float]:
+    """Decode attention (default launch settings) never split, split by the module's rule, and split into parts of
+    256 / 512 / 1024 / 2048 keys: {setting: TB/s}."""
+    from kernels.paged_attention import triton_ops
+
+    results = {}
+    for partition in (0, None, 256, 512, 1024, 2048):
+        if partition and partition >= meta.max_decode_context_len:
+            continue
+        with patched(triton_ops, DECODE_PARTITION=partition):
+            ms = time_ms(partial(triton_ops.attention, q, k_cache, v_cache, meta, scale), device, SWEEP_REP)
+        results["never" if partition == 0 else "rule" if partition is None else str(partition)] = nbytes / ms / 1e9
+    print("    TB/s by partition: " + ", ".join(f"{k} {v:.2f}" for k, v in results.items()), flush=True)
+    return results
+
+
+def lora_case(shape: LoraShape, device, dtype, seed: int = 0):
+    """(x, lora_a, lora_b, y, meta): tokens over adapters uniformly (every adapter used), 2 x the adapters stacked."""
+    from kernels.lora import LoraMeta
+
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.arange(shape.tokens) % shape.adapters * 2  # rows 0, 2, 4...: the stack holds unused rows too
+    idx = idx[torch.randperm(shape.tokens, generator=gen)]
+    meta = LoraMeta.build(idx, device)
+    width, hidden_out = len(shape.output_slices) * shape.rank, sum(shape.output_slices)
+    x = torch.randn(shape.tokens, shape.hidden_in, generator=gen).to(device, dtype)
+    lora_a = (torch.randn(2 * shape.adapters, width, shape.hidden_in, generator=gen) / 64).to(device, dtype)
+    lora_b = (torch.randn(2 * shape.adapters, hidden_out, shape.rank, generator=gen) / 4).to(device, dtype)
+    y = torch.randn(shape.tokens, hidden_out, generator=gen).to(device, dtype)
+    return x, lora_a, lora_b, y, meta
+
+
+def lora_bytes(shape: LoraShape, element_size: int) -> dict[str, int]:
+    width, hidden_out = len(shape.output_slices) * shape.rank, sum(shape.output_slices)
+    shrink = shape.adapters * width * shape.hidden_in + shape.tokens * (shape.hidden_in + width)
+    expand = shape.adapters * hidden_out * shape.rank + shape.tokens * (width + 2 * hidden_out)
+    return {"shrink": shrink * element_size, "expand": expand * element_size}
+
+
+def lora_rows(device, dtype, shapes, copy_rate: float, sweep: bool) -> list[dict]:
+    from kernels.lora import torch_ops, triton_ops
+
+    rows = []
+    for shape in shapes:
+        x, lora_a, lora_b, y, meta = lora_case(shape, device, dtype)
+        slices = shape.output_slices
+        z = torch.zeros(shape.tokens, len(slices) * shape.rank, device=device, dtype=dtype)
+        triton_ops.lora_shrink(z, x, lora_a, meta)  # the expand's input, as in a layer
+        ref = y.float().clone()
+        torch_ops.add_lora(ref, x.float(), lora_a.float(), lora_b.float(), meta, slices)
+        out = y.clone()
+        triton_ops.add_lora(out, x, lora_a, lora_b, meta, slices)
+        error = ((out.float() - ref).norm() / (ref - y.float()).norm()).item()  # of the LoRA delta
+        nbytes = lora_bytes(shape, x.element_size())
+        row = {**shape.__dict__, "bytes": nbytes, "rel_error_of_delta": error}
+        row["shrink_ms"] = time_ms(partial(triton_ops.lora_shrink, z, x, lora_a, meta), device)
+        row["expand_ms"] = time_ms(partial(triton_ops.lora_expand, y, z, lora_b, meta, slices), device)
+        row["add_lora_ms"] = time_ms(partial(triton_ops.add_lora, y, x, lora_a, lora_b, meta, slices), device)
+        row["torch_add_lora_ms"] = time_ms(partial(torch_ops.add_lora, y, x, lora_a, lora_b, meta, slices), device)
+        for op in ("shrink", "expand"):
+            row[f"{op}_bytes_per_s"] = nbytes[op] / (row[f"{op}_ms"] / 1e3)
+            row[f"{op}_of_copy"] = row[f"{op}_bytes_per_s"] / copy_rate
+        if sweep:
+            row["sweep"] = lora_sweep(x, lora_a, lora_b, y, z, meta, slices, nbytes, device)
+        rows.append(row)
+        print(f"lora T {shape.tokens:>4} N {shape.adapters:>4} R {shape.rank:>3}: shrink {row['shrink_ms'] * 1e3:7.1f} "
+              f"us {row['shrink_of_copy']:4.0%}, expand {row['expand_ms'] * 1e3:7.1f} us {row['expand_of_copy']:4.0%}"
+              f" of copy; add_lora {row['add_lora_ms'] * 1e3:7.1f} us (torch {row['torch_add_lora_ms'] * 1e3:7.1f});"
+              f" rel err {error:.1e}", flush=True)  # fmt: skip
+    return rows
+
+
+def lora_sweep(x, lora_a, lora_b, y, z, meta, slices, nbytes, device) -> dict[str, list[dict]]:
+    from kernels.lora import triton_ops
+
+    results: dict[str, list[dict]] = {"shrink": [], "expand": []}
+    for warps, stages in SWEEP_LAUNCHES:
+        launch = {"num_warps": warps, "num_stages": stages}
+        for block_n in (32, 64, 128):
+            for block_k in (64, 128, 256):
+                settings = {"SHRINK_BLOCK_N": block_n, "SHRINK_BLOCK_K": block_k, "SHRINK_LAUNCH": launch}
+                with patched(triton_ops, **settings):
+                    ms = time_ms(partial(triton_ops.lora_shrink, z, x, lora_a, meta), device, SWEEP_REP)
+                results["shrink"].append({"block_n": block_n, "block_k": block_k, **launch, "ms": ms})
+        for block_n in (64, 128, 256):  # the expand's K is the rank: one step of up to 64
+            settings = {"EXPAND_BLOCK_N": block_n, "EXPAND_LAUNCH": launch}
+            with patched(triton_ops, **settings):
+                ms = time_ms(partial(triton_ops.lora_expand, y, z, lora_b, meta, slices), device, SWEEP_REP)
+            results["expand"].append({"block_n": block_n, **launch, "ms": ms})
+    for op, found in results.items():
+        found.sort(key=lambda r: r["ms"])
+        best = found[0]
+        print(f"    {op} best: {best} = {nbytes[op] / (best['ms'] / 1e3) / 1e12:.2f} TB/s", flush=True)
+    return results
+
+
+def engine_rows(device, dtype_name: str, smoke: bool, profile: bool, out_dir: Path) -> list[dict]:
+    """W1 and a bigger random Llama through the offline LLM on the device, base then LoRA, in this process."""
+    import tempfile
+
+    from bench.engine import MODEL_56M
+
+    big = dict(MODEL_56M, hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8)
+    models = [("W1 56M", MODEL_56M, 64, 128, 64, 8, 8), ("1B-class x8 layers", big, 256, 512, 128, 16, 16)]
+    if smoke:
+        tiny = dict(MODEL_56M, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+        models = [("smoke", dict(tiny, num_key_value_heads=2), 4, 16, 4, 2, 4)]
+    rows = []
+    for name, config, num_prompts, input_len, output_len, num_adapters, rank in models:
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = write_model(Path(tmp), config, num_adapters, rank)
+            row = {"model": name, "config": config, "num_prompts": num_prompts, "input_len": input_len,
+                   "output_len": output_len, "adapters": num_adapters, "rank": rank, "dtype": dtype_name}  # fmt: skip
+            for mode in ("base", "lora"):
+                profile_to = out_dir / f"profile-{mode}.txt" if profile and not rows else None
+                row[mode] = run_engine(paths, device, dtype_name, mode, config["vocab_size"], num_prompts, input_len,
+                                       output_len, rank, profile_to)  # fmt: skip
+                print(f"engine {name} {mode}: {row[mode]['tok_s']:.0f} tok/s "
+                      f"(runs {', '.join(f'{w:.3f}' for w in row[mode]['walls_s'])} s)", flush=True)  # fmt: skip
+            row["lora_over_base"] = row["lora"]["tok_s"] / row["base"]["tok_s"]
+            print(f"engine {name}: LoRA / base {row['lora_over_base']:.2f}", flush=True)
+            rows.append(row)
+    return rows
+
+
+def write_model(directory: Path, config: dict, num_adapters: int, rank: int) -> tuple[Path, list]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.lora import make_adapters
+    from bench.tokenizer import save_tokenizer
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    model.save_pretrained(directory / "base")
+    save_tokenizer(directory / "base", config["vocab_size"])
+    return directory / "base", make_adapters(model, directory, num_adapters, rank)
+
+
+def run_engine(
+    paths, device, dtype_name, mode, vocab, num_prompts, input_len, output_len, rank, profile_to: Path | None
+) -> dict:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    model_dir, adapters = paths
+    use_lora = mode == "lora"
+    llm = LLM(
+        model=str(model_dir),
+        dtype=dtype_name,
+        device=str(device),
+        max_model_len=input_len + output_len,
+        max_num_seqs=num_prompts,
+        max_num_batched_tokens=max(2048, num_prompts),
+        enable_prefix_caching=False,
+        kv_cache_memory=4 << 30 if device.type == "cuda" else None,  # not 85% of an 80 GB card for a small run
+        enable_lora=use_lora,
+        max_loras=max(1, len(adapters)),
+        max_cpu_loras=max(1, len(adapters)),
+        max_lora_rank=rank,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    gen = torch.Generator().manual_seed(1)
+    walls = []
+    for run in range(4):  # the first warms up (compiles the kernels)
+        prompts = torch.randint(10, vocab, (num_prompts, input_len), generator=gen).tolist()
+        lora = [adapters[i % len(adapters)] for i in range(num_prompts)] if use_lora else None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+        if run:
+            walls.append(time.perf_counter() - start)
+        assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
+    result: dict = {"walls_s": walls, "tok_s": num_prompts * output_len / statistics.median(walls)}
+    if profile_to is not None:
+        result["profile"] = profile_run(llm, prompts, params, lora, device, profile_to)
+    del llm
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def profile_run(llm, prompts, params, lora, device, path: Path) -> dict:
+    """One more run under torch.profiler: its wall, the device's busy time, kernel launches per engine step, and
+    the ops by self CPU time (written to `path`): is the step bound by the device or by the host?"""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    steps_before = llm.engine.stats.num_steps
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+    steps = llm.engine.stats.num_steps - steps_before
+    events = prof.key_averages()
+    launch_names = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+    launches = sum(e.count for e in events if e.key in launch_names)
+    summary = {
+        "wall_s": wall,
+        "steps": steps,
+        "device_busy_s": sum(e.self_device_time_total for e in events) / 1e6,
+        "launches_per_step": launches / max(steps, 1),
+    }
+    table = events.table(sort_by="self_cpu_time_total", row_limit=40)
+    path.write_text(json.dumps(summary) + "\n" + table)
+    print(f"    profiled: {summary}", flush=True)
+    print("\n".join(table.splitlines()[:16]), flush=True)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="loraplex bench gpu", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="of " + ", ".join(SECTIONS))
+    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    parser.add_argument("--sweep", action="store_true", help="also time the kernels' launch settings")
+    parser.add_argument(
+        "--sweep-partitions", action="store_true", help="also time decode attention never split and split in parts"
+    )
+    parser.add_argument("--profile", action="store_true", help="also profile one engine run of each mode (W1 only)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (implied without a CUDA device)")
+    parser.add_argument("--json", type=Path, default=Path("bench-results/gpu.json"))
+    args = parser.parse_args(argv)
+    sections = args.sections.split(",")
+    if unknown := set(sections) - set(SECTIONS):
+        parser.error(f"unknown sections {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    smoke = args.smoke or device.type != "cuda"
+    if device.type != "cuda":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton's first import (the kernels import it)
+    dtype = DTYPES[args.dtype]
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    results: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "dtype": args.dtype, "device": str(device)}
+    failures = {}
+
+    def section(name: str, run: Callable[[], object]) -> None:
+        if name not in sections:
+            return
+        try:
+            results[name] = run()
+        except Exception as e:  # one broken section must not hide the others' figures
+            import traceback
+
+            traceback.print_exc()
+            failures[name] = f"{type(e).__name__}: {e}"
+
+    section("ceilings", lambda: ceilings(device, dtype, smoke))
+    copy_rate = results.get("ceilings", {}).get("copy_bytes_per_s", float("nan"))
+    section("attention", lambda: attention_rows(
+        device, dtype, SMOKE_ATTENTION if smoke else ATTENTION_SHAPES, copy_rate, args.sweep, args.sweep_partitions
+    ))  # fmt: skip
+    section("lora", lambda: lora_rows(device, dtype, SMOKE_LORA if smoke else LORA_SHAPES, copy_rate, args.sweep))
+    section("engine", lambda: engine_rows(device, args.dtype, smoke, args.profile, args.json.parent))
+    results["failures"] = failures
+    args.json.write_text(json.dumps(results, indent=2, default=str))
+    print(f"saved {args.json}" + (f"; failed sections: {failures}" if failures else ""), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

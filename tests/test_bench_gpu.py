@@ -1,0 +1,31 @@
+"""`loraplex bench gpu` without a GPU: its kernel sections run interpreted on tiny shapes, so the script the GPU
+session runs is checked here; its byte counts, which its bandwidth figures rest on, are checked by hand."""
+
+import json
+
+import torch
+
+from bench import gpu
+
+
+def test_byte_counts_are_the_fewest_bytes_each_kernel_must_move():
+    shape = gpu.AttentionShape(batch=3, context=40, num_heads=8, num_kv_heads=2, head_dim=16, block_size=16)
+    kv = 3 * 40 * 2 * 16 * 2  # K and V of every seq's context
+    q_out = 3 * 8 * 16 * 2  # q read, out written
+    assert gpu.attention_bytes(shape, 2) == (kv + q_out) * 2 + 3 * 3 * 4  # + 3 block ids a seq
+    lora = gpu.LoraShape(tokens=5, adapters=2, rank=4, hidden_in=64, output_slices=(64, 32))
+    shrink = 2 * 8 * 64 + 5 * (64 + 8)  # A of the adapters in use, x read, z written
+    expand = 2 * 96 * 4 + 5 * (8 + 2 * 96)  # B of the adapters in use, z read, y read and written
+    assert gpu.lora_bytes(lora, 4) == {"shrink": shrink * 4, "expand": expand * 4}
+
+
+def test_smoke_run_of_the_kernel_sections(tmp_path, monkeypatch):
+    out = tmp_path / "gpu.json"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    results = gpu.main(["--sections", "attention,lora", "--dtype", "float32", "--json", str(out)])
+    assert results["failures"] == {}
+    assert json.loads(out.read_text())["attention"][0]["rel_error"] < 1e-5
+    (attention,) = results["attention"]
+    assert attention["bytes"] == gpu.attention_bytes(gpu.SMOKE_ATTENTION[0], 4) and attention["triton_ms"] > 0
+    (lora,) = results["lora"]
+    assert lora["rel_error_of_delta"] < 1e-5 and lora["shrink_ms"] > 0 and lora["expand_ms"] > 0
