@@ -17,8 +17,8 @@ engine     W1 of ../shared/peers (the random 56M Llama, 64 requests of 128 promp
 
 --sweep also times the kernels under several launch settings (key tile, warps, pipeline stages, split-decode
 partition) and prints the best, to choose the modules' defaults. Kernel times are Triton's do_bench medians
-(CUDA events, L2 flushed before each run). Without a CUDA device the sections run their code once, interpreted
-on the CPU, on tiny shapes (--smoke; a check that the script works, with no meaningful figure).
+(CUDA events, L2 flushed before each run). Without a CUDA device the sections run interpreted on the CPU, on
+tiny shapes (as --smoke does on a GPU): a check that the script works, with no meaningful figure.
 """
 
 from __future__ import annotations
