@@ -34,17 +34,18 @@ MODEL_56M = dict(
 )
 
 
-def build_model(directory: Path, seed: int = 0):
+def build_model(directory: Path, seed: int = 0, config: dict = MODEL_56M):
+    """A random Llama of `config` (the 56M one by default) saved to `directory` with its tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from bench.tokenizer import save_tokenizer
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL_56M)).eval()
+    model = LlamaForCausalLM(LlamaConfig(**config)).eval()
     model.generation_config.eos_token_id = None  # generate exactly max_new_tokens (ignore_eos)
     model.generation_config.pad_token_id = 0
     model.save_pretrained(directory)
-    save_tokenizer(directory, MODEL_56M["vocab_size"])  # one text per id: streams show their first token
+    save_tokenizer(directory, config["vocab_size"])  # one text per id: streams show their first token
     return model
 
 

@@ -36,8 +36,9 @@ from pathlib import Path
 
 import torch
 
+from engine.config import DTYPES
+
 SECTIONS = ("ceilings", "attention", "lora", "engine")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # The datasheet HBM bandwidth by device name, printed beside the measured copy (bytes/s)
 DATASHEET_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H200": 4.8e12, "A100-SXM4-80GB": 2.04e12}
 
@@ -339,15 +340,10 @@ def engine_rows(device, dtype_name: str, smoke: bool, profile: bool, out_dir: Pa
 
 
 def write_model(directory: Path, config: dict, num_adapters: int, rank: int) -> tuple[Path, list]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    from bench.engine import build_model
     from bench.lora import make_adapters
-    from bench.tokenizer import save_tokenizer
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**config)).eval()
-    model.save_pretrained(directory / "base")
-    save_tokenizer(directory / "base", config["vocab_size"])
+    model = build_model(directory / "base", config=config)
     return directory / "base", make_adapters(model, directory, num_adapters, rank)
 
 
@@ -429,7 +425,7 @@ def profile_run(llm, prompts, params, lora, device, path: Path) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="loraplex bench gpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sections", default=",".join(SECTIONS), help="of " + ", ".join(SECTIONS))
-    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))  # the engine's dtype names
     parser.add_argument("--sweep", action="store_true", help="also time the kernels' launch settings")
     parser.add_argument(
         "--sweep-partitions", action="store_true", help="also time decode attention never split and split in parts"
