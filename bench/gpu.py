@@ -14,6 +14,7 @@ lora       shrink, expand and add_lora (Triton) on decode shapes (one token per 
 engine     W1 of ../shared/peers (the random 56M Llama, 64 requests of 128 prompt ids, 64 greedy output tokens,
            K=8 rank-8 adapters on all seven modules) through the offline LLM on the device, base then LoRA, and
            a bigger random Llama (1B-class layers, 8 of them) the same way: output tok/s and LoRA / base.
+           Decode steps replay CUDA graphs, as the engine's default is; --eager also runs both with enforce_eager.
 
 --sweep also times the kernels under several launch settings (key tile, warps, pipeline stages, split-decode
 partition) and prints the best, to choose the modules' defaults. Kernel times are Triton's do_bench medians
@@ -310,8 +311,9 @@ def lora_sweep(x, lora_a, lora_b, y, z, meta, slices, nbytes, device) -> dict[st
     return results
 
 
-def engine_rows(device, dtype_name: str, smoke: bool, profile: bool, out_dir: Path) -> list[dict]:
-    """W1 and a bigger random Llama through the offline LLM on the device, base then LoRA, in this process."""
+def engine_rows(device, dtype_name: str, smoke: bool, profile: bool, out_dir: Path, eager: bool = False) -> list[dict]:
+    """W1 and a bigger random Llama through the offline LLM on the device, base then LoRA, in this process (decode
+    steps as CUDA graphs; with `eager`, also both with enforce_eager)."""
     import tempfile
 
     from bench.engine import MODEL_56M
@@ -327,7 +329,7 @@ def engine_rows(device, dtype_name: str, smoke: bool, profile: bool, out_dir: Pa
             paths = write_model(Path(tmp), config, num_adapters, rank)
             row = {"model": name, "config": config, "num_prompts": num_prompts, "input_len": input_len,
                    "output_len": output_len, "adapters": num_adapters, "rank": rank, "dtype": dtype_name}  # fmt: skip
-            for mode in ("base", "lora"):
+            for mode in ("base", "lora", "base-eager", "lora-eager") if eager else ("base", "lora"):
                 profile_to = out_dir / f"profile-{mode}.txt" if profile and not rows else None
                 row[mode] = run_engine(paths, device, dtype_name, mode, config["vocab_size"], num_prompts, input_len,
                                        output_len, rank, profile_to)  # fmt: skip
@@ -335,6 +337,11 @@ def engine_rows(device, dtype_name: str, smoke: bool, profile: bool, out_dir: Pa
                       f"(runs {', '.join(f'{w:.3f}' for w in row[mode]['walls_s'])} s)", flush=True)  # fmt: skip
             row["lora_over_base"] = row["lora"]["tok_s"] / row["base"]["tok_s"]
             print(f"engine {name}: LoRA / base {row['lora_over_base']:.2f}", flush=True)
+            if eager:
+                row["eager_lora_over_base"] = row["lora-eager"]["tok_s"] / row["base-eager"]["tok_s"]
+                print(f"engine {name}: eager LoRA / base {row['eager_lora_over_base']:.2f}; graphs / eager: base "
+                      f"{row['base']['tok_s'] / row['base-eager']['tok_s']:.2f}, LoRA "
+                      f"{row['lora']['tok_s'] / row['lora-eager']['tok_s']:.2f}", flush=True)  # fmt: skip
             rows.append(row)
     return rows
 
@@ -354,7 +361,7 @@ def run_engine(
     from engine.sampling_params import SamplingParams
 
     model_dir, adapters = paths
-    use_lora = mode == "lora"
+    use_lora = mode.startswith("lora")
     llm = LLM(
         model=str(model_dir),
         dtype=dtype_name,
@@ -368,6 +375,7 @@ def run_engine(
         max_loras=max(1, len(adapters)),
         max_cpu_loras=max(1, len(adapters)),
         max_lora_rank=rank,
+        enforce_eager=mode.endswith("eager"),
     )
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
     gen = torch.Generator().manual_seed(1)
@@ -407,7 +415,7 @@ def profile_run(llm, prompts, params, lora, device, path: Path) -> dict:
         wall = time.perf_counter() - start
     steps = llm.engine.stats.num_steps - steps_before
     events = prof.key_averages()
-    launch_names = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+    launch_names = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
     launches = sum(e.count for e in events if e.key in launch_names)
     summary = {
         "wall_s": wall,
@@ -431,6 +439,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--sweep-partitions", action="store_true", help="also time decode attention never split and split in parts"
     )
     parser.add_argument("--profile", action="store_true", help="also profile one engine run of each mode (W1 only)")
+    parser.add_argument("--eager", action="store_true", help="also run the engine with enforce_eager (no CUDA graphs)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (implied without a CUDA device)")
     parser.add_argument("--json", type=Path, default=Path("bench-results/gpu.json"))
     args = parser.parse_args(argv)
@@ -463,7 +472,7 @@ def main(argv: list[str] | None = None) -> dict:
         device, dtype, SMOKE_ATTENTION if smoke else ATTENTION_SHAPES, copy_rate, args.sweep, args.sweep_partitions
     ))  # fmt: skip
     section("lora", lambda: lora_rows(device, dtype, SMOKE_LORA if smoke else LORA_SHAPES, copy_rate, args.sweep))
-    section("engine", lambda: engine_rows(device, args.dtype, smoke, args.profile, args.json.parent))
+    section("engine", lambda: engine_rows(device, args.dtype, smoke, args.profile, args.json.parent, args.eager))
     results["failures"] = failures
     args.json.write_text(json.dumps(results, indent=2, default=str))
     print(f"saved {args.json}" + (f"; failed sections: {failures}" if failures else ""), flush=True)

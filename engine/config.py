@@ -78,6 +78,11 @@ class EngineConfig:
         "CPU: a decode-only step runs the decoder layers in one C++ call (the same kernels and results as the "
         "layer-by-layer forward, without its per-op Python cost, the GIL released)",
     )
+    enforce_eager: bool = option(
+        False,
+        "CUDA: run decode steps eagerly, as prefill steps run, instead of replaying them as CUDA graphs (recorded at "
+        "start for batches of up to max-num-seqs, up to 512)",
+    )
     stream_interval: int = option(
         1,
         "steps whose tokens a stream gets in one delta after its first (as vLLM's --stream-interval): fewer, larger "

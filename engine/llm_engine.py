@@ -89,6 +89,7 @@ class LLMEngine:
             arch.sliding_window or arch.max_position_embeddings,  # past the window our attention would differ
             self.runner.num_blocks * config.block_size,  # one sequence must always fit the pool
         )
+        self.runner.capture_decode_graphs(self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.adapter_cache = self.runner.adapter_cache
         self.scheduler = Scheduler(config, self.block_manager, self.adapter_cache)

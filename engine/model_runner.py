@@ -17,6 +17,7 @@ from adapters.cache import AdapterCache
 from engine.config import EngineConfig
 from engine.cpu_malloc import keep_freed_memory
 from engine.cpu_threads import run_alone
+from engine.decode_graphs import DecodeGraphs
 from engine.layers.decode_stack import DecodeStack
 from engine.layers.greedy_head import ScreenedGreedyHead
 from engine.layers.lora_linear import LoRALinear
@@ -57,6 +58,7 @@ class ModelRunner:
             self._enable_lora()
         self.num_blocks = self._num_blocks()
         self.scratch_block = self.num_blocks  # one more block, never a sequence's: `self_test` writes there
+        self.decode_graphs: DecodeGraphs | None = None  # CUDA: set by capture_decode_graphs
         # [2, layers, num_blocks + 1, block_size, kv_heads, head_dim]: K and V of every layer in one allocation
         self.kv_cache = torch.zeros(
             2,
@@ -131,6 +133,36 @@ class ModelRunner:
             config.max_cpu_loras,
             config.lora_backend,
         )
+
+    def capture_decode_graphs(self, max_model_len: int) -> None:
+        """CUDA: records decode steps as CUDA graphs (DecodeGraphs) for batches up to max_num_seqs, once the engine
+        knows its context limit; where they do not apply (CPU, enforce_eager, a torch backend) or capture fails,
+        steps run eagerly, as before."""
+        config = self.config
+        if self.device.type != "cuda" or config.enforce_eager:
+            return
+        if config.attention_backend != "triton" or (config.enable_lora and config.lora_backend != "triton"):
+            logger.info("decode steps run eagerly: CUDA graphs need the triton attention and LoRA backends")
+            return
+        try:
+            self.decode_graphs = self.make_decode_graphs(max_model_len, capture=True)
+        except Exception as error:  # the engine still runs, each step eagerly
+            logger.warning("decode steps run eagerly: capturing them as CUDA graphs failed with %r", error)
+            self.decode_graphs = None
+
+    def make_decode_graphs(self, max_model_len: int, capture: bool) -> DecodeGraphs:
+        """DecodeGraphs over this runner's model, every bucket recorded (capture, CUDA) or warmed up (eager)."""
+        graphs = DecodeGraphs(
+            self.model,
+            self.block_size,
+            max_model_len,
+            self.config.max_num_seqs,
+            None if self.adapter_cache is None else self.adapter_cache.max_loras,
+            self.device,
+            capture,
+        )
+        graphs.capture_all()
+        return graphs
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -234,6 +266,9 @@ class ModelRunner:
         sample, in batch order (`logits` or `greedy_tokens` turn them into tokens), and finite [B] bool: each seq's
         last hidden state this step is finite. A NaN or Inf in any K or V the step wrote for a seq reaches that
         hidden state, which attends to all of them."""
+        if self.decode_graphs is not None and self.decode_graphs.takes(batch):  # every seq samples its one row
+            last = self.decode_graphs.run(batch)  # [B, H]
+            return last, torch.isfinite(last).all(dim=-1)
         input_ids, positions, meta, last_rows, sample_rows = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta)  # [T, H], or [B, H] when the meta names output rows
         last = hidden if meta.output_rows is not None else hidden[last_rows]  # [B, H]

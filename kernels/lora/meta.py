@@ -91,6 +91,39 @@ class LoraMeta:
             max_rank=max_rank,
         )
 
+    @classmethod
+    def over_rows(
+        cls, token_adapter_idx: Tensor, sorted_token_idx: Tensor, seg_indptr: Tensor, seg_adapter_idx: Tensor
+    ) -> "LoraMeta":
+        """A meta over fixed device buffers whose contents change from step to step but whose launches do not (a
+        CUDA graph's): one segment per stacked row, segment a = row seg_adapter_idx[a] (empty where the row has no
+        token), each up to every token long. What the kernels read comes from the buffers, which the caller fills;
+        what they launch from the shapes alone. Only the Triton ops read it (the torch-path layouts and host lists
+        are left empty).
+        token_adapter_idx, sorted_token_idx: [T] int64 · seg_indptr: [N+1] int32 · seg_adapter_idx: [N] int64"""
+        num_tokens, num_rows = token_adapter_idx.shape[0], seg_adapter_idx.shape[0]
+        if sorted_token_idx.shape[0] != num_tokens or seg_indptr.shape[0] != num_rows + 1:
+            raise ValueError(
+                f"{num_tokens} tokens, {sorted_token_idx.shape[0]} sorted; {num_rows} rows, {seg_indptr.shape[0]} "
+                "segment bounds (want tokens + 0, rows + 1)"
+            )
+        return cls(
+            token_adapter_idx=token_adapter_idx,
+            num_tokens=num_tokens,
+            has_lora=True,
+            active_adapters=list(range(num_rows)),  # every row, as far as the launches (and checks) go
+            sorted_token_idx=sorted_token_idx,
+            seg_starts=[],
+            seg_ends=[],
+            max_seg_len=num_tokens,
+            seg_indptr=seg_indptr,
+            seg_adapter_idx=seg_adapter_idx,
+            run_starts=None,
+            padded_token_idx=None,
+            padded_rows=None,
+            padded_is_pad=None,
+        )
+
 
 def _run_starts(idx: Tensor, sorted_token_idx: Tensor, seg_indptr: list[int]) -> list[int] | None:
     """Each segment's first token when every row's tokens are one run of consecutive tokens; else None."""

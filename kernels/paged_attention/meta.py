@@ -128,6 +128,44 @@ class PagedAttentionMeta:
             make_decode_groups=partial(_decode_groups, decode_context_lens, d_tables, block_size, dev),
         )
 
+    @classmethod
+    def decode_over(
+        cls, slot_mapping: Tensor, block_size: int, context_lens: Tensor, block_tables: Tensor, max_context_len: int
+    ) -> "PagedAttentionMeta":
+        """A decode-only meta over fixed device buffers whose contents change from step to step but whose launches
+        do not (a CUDA graph's): one token per sequence, `max_context_len` the longest context any step may hold
+        (it sizes the split-decode launch). The caller fills the buffers; a padding row has slot -1 and a context of
+        1 over any block. Only the Triton ops read it (the torch path's fields raise).
+        slot_mapping: [D] int64 · context_lens: [D] int32 · block_tables: [D, max_blocks] int32"""
+        num_seqs = slot_mapping.shape[0]
+        if context_lens.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
+            raise ValueError(f"{num_seqs} slots, {context_lens.shape[0]} context lengths, {len(block_tables)} tables")
+        if block_tables.shape[1] * block_size < max_context_len:
+            raise ValueError(f"{block_tables.shape[1]} blocks of {block_size} hold fewer than {max_context_len} keys")
+        none = torch.zeros(0, dtype=torch.int32, device=slot_mapping.device)  # [0]: no prefill
+
+        def no_torch_path() -> list[DecodeGroup]:
+            raise RuntimeError("a decode_over meta is for the Triton kernels only")
+
+        return cls(
+            slot_mapping=slot_mapping,
+            block_size=block_size,
+            num_prefill_tokens=0,
+            prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=slot_mapping.device),
+            prefill_context_lens=none,
+            prefill_block_tables=none.view(0, 0),
+            max_prefill_q_len=0,
+            max_prefill_context_len=0,
+            decode_context_lens=context_lens,
+            decode_block_tables=block_tables,
+            max_decode_context_len=max_context_len,
+            store_token_idx=None,
+            store_slots=slot_mapping,
+            prefill_kv_blocks=none.long(),
+            prefill_seqs=None,
+            make_decode_groups=no_torch_path,
+        )
+
 
 def _store_indices(slot_mapping: Tensor) -> tuple[Tensor | None, Tensor]:
     """(tokens with slot >= 0, their slots); None for the tokens when all are stored."""

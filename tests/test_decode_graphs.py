@@ -1,0 +1,156 @@
+"""Decode steps through DecodeGraphs' fixed buffers: the same tokens as eager steps and as transformers + peft.
+
+On a CPU the padded forward runs eagerly (`capture=False`) with the Triton kernels interpreted: that proves the
+buffers, the padding rows and the one-segment-per-row LoRA meta. On a GPU the engine records real CUDA graphs by
+default, and the test marked gpu compares it with an `enforce_eager` engine and with peft.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import PeftModel
+
+from adapters.ref import LoRARequest
+from engine.decode_graphs import DecodeGraphs, graph_batch_sizes
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.hf_models import make_adapter, make_model
+from tests.test_oracle import prompts
+
+# three adapters for two device rows: five seqs decode together (padded to the bucket of 6), then a2 loads into a row
+# they freed and decodes alone
+NAMES = [None, "a0", "a1", "a2", "a0", None]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tokenizer):
+    directory = tmp_path_factory.mktemp("graphs")
+    hf = make_model(directory / "base", tokenizer, "llama")
+    hf.generation_config.eos_token_id = None
+    paths = {f"a{i}": make_adapter(hf, directory / f"a{i}", seed=10 + i, r=8) for i in range(3)}
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(hf), paths["a0"], adapter_name="a0")
+    for name in ("a1", "a2"):
+        peft_model.load_adapter(paths[name], adapter_name=name)
+    peft_model.eval()
+    return directory / "base", peft_model, {name: LoRARequest(name, path) for name, path in paths.items()}
+
+
+def engine(model_dir, device: str, **options) -> LLM:
+    return LLM(
+        model=str(model_dir),
+        device=device,
+        dtype="float32",
+        attention_backend="triton",
+        lora_backend="triton",
+        num_kv_blocks=128,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        **{"max_num_seqs": 6, **options},  # buckets 1, 2, 4, 6: five seqs pad to six
+    )
+
+
+def generate(llm: LLM, loras: dict, max_tokens: int = 8):
+    batch = prompts(llm.engine.runner.arch.vocab_size, len(NAMES), seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
+    return batch, llm.generate(batch, params, lora_request=[loras.get(n) for n in NAMES])
+
+
+def peft_greedy(peft_model, prompt: list[int], name: str | None, max_tokens: int) -> list[int]:
+    with torch.no_grad():
+        if name is None:
+            with peft_model.disable_adapter():
+                ref = peft_model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
+        else:
+            peft_model.set_adapter(name)
+            ref = peft_model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
+    return ref[0, len(prompt) :].tolist()
+
+
+def counting_runs(graphs: DecodeGraphs) -> list[int]:
+    """Records the size of every step `graphs` runs."""
+    sizes, run = [], graphs.run
+
+    def counted(batch):
+        sizes.append(len(batch.seqs))
+        return run(batch)
+
+    graphs.run = counted
+    return sizes
+
+
+def assert_same_outputs(ours, reference) -> None:
+    for out, ref in zip(ours, reference, strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        for step, ref_step in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True):
+            assert step.top_logprobs.keys() == ref_step.top_logprobs.keys()
+            for token_id, logprob in step.top_logprobs.items():
+                assert logprob == pytest.approx(ref_step.top_logprobs[token_id], abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("max_num_seqs", "sizes"),
+    [(1, [1]), (3, [1, 2, 3]), (6, [1, 2, 4, 6]), (20, [1, 2, 4, 8, 16, 20]), (2048, [1, 2, 4, *range(8, 513, 8)])],
+)
+def test_buckets_cover_every_batch_size_once(max_num_seqs, sizes):
+    assert graph_batch_sizes(max_num_seqs) == sizes
+
+
+def test_padded_decode_steps_match_eager_steps_and_peft(setup):
+    """The padded buffers' steps (run eagerly on the CPU) give the eager engine's tokens and logprobs, and peft's
+    greedy tokens per adapter, over a mixed batch whose third adapter loads into a row freed mid-run."""
+    model_dir, peft_model, loras = setup
+    eager = engine(model_dir, "cpu")
+    assert eager.engine.runner.decode_graphs is None  # a CPU engine runs eagerly
+    batch, expected = generate(eager, loras)
+    llm = engine(model_dir, "cpu")
+    runner = llm.engine.runner
+    runner.decode_graphs = runner.make_decode_graphs(llm.engine.max_model_len, capture=False)
+    sizes = counting_runs(runner.decode_graphs)
+    _, ours = generate(llm, loras)
+    assert_same_outputs(ours, expected)
+    assert len(sizes) >= 7 and 5 in sizes  # decode steps went through the buffers, padded ones too
+    for prompt, name, out in zip(batch, NAMES, ours):
+        assert out.outputs[0].token_ids == peft_greedy(peft_model, prompt, name, 8), f"adapter {name}"
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and llm.engine.adapter_cache.num_pinned == 0
+
+
+def test_a_step_the_buffers_cannot_hold_runs_eagerly(setup):
+    """Prefill steps, and batches past the largest bucket, take the eager path."""
+    model_dir, _, loras = setup
+    llm = engine(model_dir, "cpu")
+    runner = llm.engine.runner
+    graphs = DecodeGraphs(  # up to 2 seqs: 5 decode eagerly, the last 2 in the buffers
+        runner.model, runner.block_size, llm.engine.max_model_len, 2, 2, runner.device, capture=False
+    )
+    graphs.capture_all()
+    runner.decode_graphs = graphs
+    sizes = counting_runs(graphs)
+    batch = prompts(runner.arch.vocab_size, len(NAMES), seed=4)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 2, 2, 6, 6, 2)]
+    ours = llm.generate(batch, params, lora_request=[loras.get(n) for n in NAMES])
+    assert sizes and set(sizes) <= {1, 2}  # the last two seqs' steps only
+    eager = engine(model_dir, "cpu")
+    for out, ref in zip(ours, eager.generate(batch, params, lora_request=[loras.get(n) for n in NAMES])):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+@pytest.mark.gpu
+def test_cuda_graph_steps_match_eager_steps_and_peft(setup):
+    model_dir, peft_model, loras = setup
+    llm = engine(model_dir, "cuda")
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None and graphs.capture and len(graphs.graphs) == 2 * len(graphs.batch_sizes)
+    sizes = counting_runs(graphs)
+    batch, ours = generate(llm, loras)
+    assert len(sizes) >= 7
+    eager = engine(model_dir, "cuda", enforce_eager=True)
+    assert eager.engine.runner.decode_graphs is None
+    _, expected = generate(eager, loras)
+    assert_same_outputs(ours, expected)
+    for prompt, name, out in zip(batch, NAMES, ours):
+        assert out.outputs[0].token_ids == peft_greedy(peft_model, prompt, name, 8), f"adapter {name}"
