@@ -4,9 +4,16 @@
 
 The stacked weights are views into the AdapterCache's rows (each adapter's scaling already folded into B); the
 step's LoraMeta comes with each call. A step without adapters (lora None) costs nothing beyond the base.
+
+While a CUDA graph is being recorded (DecodeGraphs), the shrink goes on a side stream, beside the base GEMM: both
+only read x, so the graph runs them as parallel branches and the expand waits for both. A decode step's shrink is a
+few microseconds of latency on few multiprocessors, which the GEMM beside it hides. Eagerly, the two streams'
+events would cost the host more than they save, so a plain call runs them one after the other.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -31,9 +38,23 @@ class LoRALinear(nn.Module):
         self.ops = get_lora_ops(backend)
 
     def forward(self, x: torch.Tensor, lora: LoraMeta | None = None) -> torch.Tensor:
+        if lora is not None and x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self._forward_branched(x, lora)
         y = self.base(x)  # [T, H_out]
         if lora is not None:
             self.ops.add_lora(y, x, self.lora_a, self.lora_b, lora, self.output_slices)
+        return y
+
+    def _forward_branched(self, x: torch.Tensor, lora: LoraMeta) -> torch.Tensor:
+        """The shrink on the side stream while the base GEMM runs on the capturing one; then the expand."""
+        main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+        z = x.new_empty(x.shape[0], self.lora_a.shape[1])  # [T, S * R], made on the main stream, as y is
+        side.wait_stream(main)  # x is ready
+        with torch.cuda.stream(side):
+            self.ops.lora_shrink(z, x, self.lora_a, lora)
+        y = self.base(x)  # [T, H_out]
+        main.wait_stream(side)  # z is ready
+        self.ops.lora_expand(y, z, self.lora_b, lora, self.output_slices)
         return y
 
 
@@ -41,3 +62,8 @@ def apply_linear(module: nn.Module, x: torch.Tensor, lora: LoraMeta | None) -> t
     """module(x) for a LoRA-able projection: with the step's LoRA deltas once the runner has wrapped it in a
     LoRALinear, else the plain (nn.Linear or PackedLinear) base."""
     return module(x, lora) if isinstance(module, LoRALinear) else module(x)
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)

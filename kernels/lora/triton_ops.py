@@ -70,6 +70,8 @@ def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_sli
 
 
 def _block_m(meta: LoraMeta) -> int:
+    if meta.tile_tokens:
+        return meta.tile_tokens
     return max(MIN_DOT, min(MAX_BLOCK_M, triton.next_power_of_2(meta.max_seg_len)))
 
 
