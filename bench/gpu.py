@@ -330,7 +330,7 @@ def engine_rows(device, dtype_name: str, smoke: bool, profile: bool, out_dir: Pa
             row = {"model": name, "config": config, "num_prompts": num_prompts, "input_len": input_len,
                    "output_len": output_len, "adapters": num_adapters, "rank": rank, "dtype": dtype_name}  # fmt: skip
             for mode in ("base", "lora", "base-eager", "lora-eager") if eager else ("base", "lora"):
-                profile_to = out_dir / f"profile-{mode}.txt" if profile and not rows else None
+                profile_to = out_dir / f"profile-{len(rows)}-{mode}.txt" if profile else None
                 row[mode] = run_engine(paths, device, dtype_name, mode, config["vocab_size"], num_prompts, input_len,
                                        output_len, rank, profile_to)  # fmt: skip
                 print(f"engine {name} {mode}: {row[mode]['tok_s']:.0f} tok/s "
@@ -424,7 +424,8 @@ def profile_run(llm, prompts, params, lora, device, path: Path) -> dict:
         "launches_per_step": launches / max(steps, 1),
     }
     table = events.table(sort_by="self_cpu_time_total", row_limit=40)
-    path.write_text(json.dumps(summary) + "\n" + table)
+    by_device = events.table(sort_by="self_device_time_total", row_limit=30) if device.type == "cuda" else ""
+    path.write_text(json.dumps(summary) + "\n" + table + "\n" + by_device)
     print(f"    profiled: {summary}", flush=True)
     print("\n".join(table.splitlines()[:16]), flush=True)
     return summary
@@ -438,7 +439,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--sweep-partitions", action="store_true", help="also time decode attention never split and split in parts"
     )
-    parser.add_argument("--profile", action="store_true", help="also profile one engine run of each mode (W1 only)")
+    parser.add_argument("--profile", action="store_true", help="also profile one engine run of each model and mode")
     parser.add_argument("--eager", action="store_true", help="also run the engine with enforce_eager (no CUDA graphs)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (implied without a CUDA device)")
     parser.add_argument("--json", type=Path, default=Path("bench-results/gpu.json"))
