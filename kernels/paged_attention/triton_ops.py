@@ -211,6 +211,34 @@ def _prefill_kernel(
 
 
 @triton.jit
+def _decode_keys(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, scale, token_offset, seq, kv_head, context_len, key_begin,
+    key_end, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HEADS_PAD: tl.constexpr,
+):  # fmt: skip
+    """The GROUP q heads of (seq, kv head), as rows of one tile, over keys [key_begin, key_end) of the seq's
+    context_len: (acc, m_i, l_i) of the online softmax (acc unnormalized), with the tile's heads and valid rows."""
+    token = (token_offset + seq).to(tl.int64)
+    group_rows = tl.arange(0, HEADS_PAD)
+    heads = kv_head * GROUP + group_rows
+    row_valid = group_rows < GROUP
+    q_offs = token * stride_qt + heads[:, None] * stride_qh + tl.arange(0, HEAD_DIM)[None, :]  # [HEADS_PAD, HEAD_DIM]
+    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None], other=0.0)
+    q_pos = tl.full([HEADS_PAD], 0, dtype=tl.int32) + context_len - 1
+    acc = tl.zeros([HEADS_PAD, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([HEADS_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([HEADS_PAD], dtype=tl.float32)
+    for key_start in range(key_begin, key_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, key_start,
+            context_len, q_pos, kv_head, scale, stride_cb, stride_cs, stride_ch,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+        )  # fmt: skip
+    return acc, m_i, l_i, heads, row_valid
+
+
+@triton.jit
 def _decode_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, scale, token_offset,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
@@ -220,25 +248,14 @@ def _decode_kernel(
     """Program (seq, kv head): the GROUP q heads of that kv head, as rows of one tile, attend all keys."""
     seq, kv_head = tl.program_id(0), tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
-    token = (token_offset + seq).to(tl.int64)
-    group_rows = tl.arange(0, HEADS_PAD)
-    heads = kv_head * GROUP + group_rows
-    row_valid = group_rows < GROUP
-    dims = tl.arange(0, HEAD_DIM)
-    q_offs = token * stride_qt + heads[:, None] * stride_qh + dims[None, :]  # [HEADS_PAD, HEAD_DIM]
-    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None], other=0.0)
-    q_pos = tl.full([HEADS_PAD], 0, dtype=tl.int32) + context_len - 1
-    acc = tl.zeros([HEADS_PAD, HEAD_DIM], dtype=tl.float32)
-    m_i = tl.full([HEADS_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([HEADS_PAD], dtype=tl.float32)
-    for key_start in range(0, context_len, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, key_start,
-            context_len, q_pos, kv_head, scale, stride_cb, stride_cs, stride_ch,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
-        )  # fmt: skip
+    acc, _, l_i, heads, row_valid = _decode_keys(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, scale, token_offset, seq, kv_head, context_len, 0,
+        context_len, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+        GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, HEADS_PAD,
+    )  # fmt: skip
     out = acc / l_i[:, None]
-    out_offs = token * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    token = (token_offset + seq).to(tl.int64)
+    out_offs = token * stride_ot + heads[:, None] * stride_oh + tl.arange(0, HEAD_DIM)[None, :]
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
@@ -253,31 +270,18 @@ def _decode_split_kernel(
     """Program (seq, kv head, part): the GROUP q heads attend keys [part * partition, +partition) of the seq;
     writes their running max, sum of exp and unnormalized output (a part past the context: max -inf, sum 0)."""
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    num_parts = tl.num_programs(2)
     context_len = tl.load(context_lens_ptr + seq)
-    token = (token_offset + seq).to(tl.int64)
-    group_rows = tl.arange(0, HEADS_PAD)
-    heads = kv_head * GROUP + group_rows
-    row_valid = group_rows < GROUP
-    dims = tl.arange(0, HEAD_DIM)
-    q_offs = token * stride_qt + heads[:, None] * stride_qh + dims[None, :]  # [HEADS_PAD, HEAD_DIM]
-    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None], other=0.0)
-    q_pos = tl.full([HEADS_PAD], 0, dtype=tl.int32) + context_len - 1
-    acc = tl.zeros([HEADS_PAD, HEAD_DIM], dtype=tl.float32)
-    m_i = tl.full([HEADS_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([HEADS_PAD], dtype=tl.float32)
-    key_end = tl.minimum(context_len, (part + 1) * partition)
-    for key_start in range(part * partition, key_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, key_start,
-            context_len, q_pos, kv_head, scale, stride_cb, stride_cs, stride_ch,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
-        )  # fmt: skip
+    acc, m_i, l_i, heads, row_valid = _decode_keys(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, scale, token_offset, seq, kv_head, context_len,
+        part * partition, tl.minimum(context_len, (part + 1) * partition),
+        stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+        GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, HEADS_PAD,
+    )  # fmt: skip
     # partials are laid out [seq, part, q head, (dim)], contiguous
-    row = (seq.to(tl.int64) * num_parts + part) * (tl.num_programs(1) * GROUP) + heads  # [HEADS_PAD]
+    row = (seq.to(tl.int64) * tl.num_programs(2) + part) * (tl.num_programs(1) * GROUP) + heads  # [HEADS_PAD]
     tl.store(part_max_ptr + row, m_i, mask=row_valid)
     tl.store(part_sum_ptr + row, l_i, mask=row_valid)
-    tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
+    tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], acc, mask=row_valid[:, None])
 
 
 @triton.jit
