@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -58,7 +59,7 @@ class AttentionShape:
 
 @dataclass(frozen=True)
 class LoraShape:
-    """A decode step's LoRA layer: `tokens` tokens over `adapters` distinct adapters (uniform) of rank `rank`."""
+    """A step's LoRA layer: `tokens` tokens over `adapters` distinct adapters (uniform) of rank `rank`."""
 
     tokens: int
     adapters: int
@@ -74,7 +75,15 @@ ATTENTION_SHAPES = [
     AttentionShape(16, 4096),
     AttentionShape(4, 16384),
 ]
-LORA_SHAPES = [LoraShape(64, 8, 16), LoraShape(256, 32, 16), LoraShape(256, 128, 16), LoraShape(256, 64, 64)]
+LORA_SHAPES = [
+    LoraShape(64, 8, 16),
+    LoraShape(256, 32, 16),
+    LoraShape(256, 128, 16),
+    LoraShape(256, 64, 64),
+    # a prefill step of the engine section's 1B-class model (2048 tokens, 16 adapters): gate_up, then down
+    LoraShape(2048, 16, 16, 2048, (8192, 8192)),
+    LoraShape(2048, 16, 16, 8192, (2048,)),
+]
 SWEEP_LAUNCHES = ((4, 2), (4, 3), (8, 2), (8, 3))  # (num_warps, num_stages)
 SWEEP_REP = 60  # ms of timed runs per setting
 SMOKE_ATTENTION = [AttentionShape(3, 70, 4, 2, 16, 16)]
@@ -272,6 +281,9 @@ def lora_rows(device, dtype, shapes, copy_rate: float, sweep: bool) -> list[dict
         row = {**shape.__dict__, "bytes": nbytes, "rel_error_of_delta": error}
         row["shrink_ms"] = time_ms(partial(triton_ops.lora_shrink, z, x, lora_a, meta), device)
         row["expand_ms"] = time_ms(partial(triton_ops.lora_expand, y, z, lora_b, meta, slices), device)
+        tile16 = dataclasses.replace(meta, tile_tokens=16)  # a CUDA graph's tiles (LoraMeta.over_rows)
+        row["shrink_ms_tile16"] = time_ms(partial(triton_ops.lora_shrink, z, x, lora_a, tile16), device)
+        row["expand_ms_tile16"] = time_ms(partial(triton_ops.lora_expand, y, z, lora_b, tile16, slices), device)
         row["add_lora_ms"] = time_ms(partial(triton_ops.add_lora, y, x, lora_a, lora_b, meta, slices), device)
         row["torch_add_lora_ms"] = time_ms(partial(torch_ops.add_lora, y, x, lora_a, lora_b, meta, slices), device)
         for op in ("shrink", "expand"):
@@ -283,7 +295,8 @@ def lora_rows(device, dtype, shapes, copy_rate: float, sweep: bool) -> list[dict
         print(f"lora T {shape.tokens:>4} N {shape.adapters:>4} R {shape.rank:>3}: shrink {row['shrink_ms'] * 1e3:7.1f} "
               f"us {row['shrink_of_copy']:4.0%}, expand {row['expand_ms'] * 1e3:7.1f} us {row['expand_of_copy']:4.0%}"
               f" of copy; add_lora {row['add_lora_ms'] * 1e3:7.1f} us (torch {row['torch_add_lora_ms'] * 1e3:7.1f});"
-              f" rel err {error:.1e}", flush=True)  # fmt: skip
+              f" rel err {error:.1e}; 16-token tiles: shrink {row['shrink_ms_tile16'] * 1e3:.1f}, expand "
+              f"{row['expand_ms_tile16'] * 1e3:.1f} us", flush=True)  # fmt: skip
     return rows
 
 
