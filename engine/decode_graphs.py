@@ -73,7 +73,8 @@ class DecodeGraphs:
         self.ids, self.lens, self.tables = (t.to(device) for t in (self.host_ids, self.host_lens, self.host_tables))
         self.seg_adapter_idx = torch.arange(rows, dtype=torch.int64, device=device)  # [rows]: fixed, segment a = row a
         self.copied = torch.cuda.Event() if pin else None  # the last step's copies are done: staging may be rewritten
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | Callable]] = {}
+        # (bucket, with LoRA) -> a call that runs that step over the buffers and returns its [bucket, H] output
+        self.graphs: dict[tuple[int, bool], Callable[[], torch.Tensor]] = {}
         self.capture = capture and device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
 
@@ -114,13 +115,13 @@ class DecodeGraphs:
             for with_lora in modes:
                 self._forward(size, with_lora)  # warm-up
                 if not self.capture:
-                    self.graphs[size, with_lora] = (None, functools.partial(self._forward, size, with_lora))
+                    self.graphs[size, with_lora] = functools.partial(self._forward, size, with_lora)
                     continue
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
                     out = self._forward(size, with_lora)  # [size, H], in the graphs' pool
-                self.graphs[size, with_lora] = (graph, out)
+                self.graphs[size, with_lora] = functools.partial(_replay, graph, out)
         if self.capture:
             torch.cuda.synchronize(self.device)
             logger.info(
@@ -141,11 +142,8 @@ class DecodeGraphs:
             self.copied.synchronize()  # the previous step's copies read the staging buffers: wait before refilling
         self._fill(batch.seqs, adapter_rows if with_lora else [NO_ADAPTER] * num_seqs, size)
         self._copy(size, max(len(seq.block_table) for seq in batch.seqs))
-        graph, out = self.graphs[size, with_lora]
-        if graph is None:
-            return out()[:num_seqs]
-        graph.replay()
-        return out[:num_seqs].clone()  # the next replay (of any bucket: they share a pool) overwrites `out`
+        # a copy: the next replay (of any bucket: they share a pool) overwrites a graph's output
+        return self.graphs[size, with_lora]()[:num_seqs].clone()
 
     def _fill(self, seqs: list, adapter_rows: list[int], size: int) -> None:
         """Writes the step's inputs into the host staging buffers: seqs first, then padding rows up to `size`."""
@@ -177,6 +175,11 @@ class DecodeGraphs:
         self.tables[:size, :num_blocks].copy_(self.host_tables[:size, :num_blocks], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
+
+
+def _replay(graph: torch.cuda.CUDAGraph, out: torch.Tensor) -> torch.Tensor:
+    graph.replay()
+    return out
 
 
 def _ranges(sizes: list[int]) -> str:
