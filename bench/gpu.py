@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import statistics
@@ -241,7 +240,8 @@ def partition_sweep(q, k_cache, v_cache, meta, scale, nbytes, device) -> dict[st
 
 
 def lora_case(shape: LoraShape, device, dtype, seed: int = 0):
-    """(x, lora_a, lora_b, y, meta): tokens over adapters uniformly (every adapter used), 2 x the adapters stacked."""
+    """(x, lora_a, lora_b, y, meta, idx): tokens over adapters uniformly (every adapter used), 2 x the adapters
+    stacked; idx [T] the tokens' rows."""
     from kernels.lora import LoraMeta
 
     gen = torch.Generator().manual_seed(seed)
@@ -253,7 +253,23 @@ def lora_case(shape: LoraShape, device, dtype, seed: int = 0):
     lora_a = (torch.randn(2 * shape.adapters, width, shape.hidden_in, generator=gen) / 64).to(device, dtype)
     lora_b = (torch.randn(2 * shape.adapters, hidden_out, shape.rank, generator=gen) / 4).to(device, dtype)
     y = torch.randn(shape.tokens, hidden_out, generator=gen).to(device, dtype)
-    return x, lora_a, lora_b, y, meta
+    return x, lora_a, lora_b, y, meta, idx
+
+
+def graph_meta(idx: torch.Tensor, num_rows: int, device):
+    """The meta a CUDA graph's step over these tokens would use (LoraMeta.over_rows: one segment per stacked row,
+    16-token tiles, the table as long as the bucket can need)."""
+    from kernels.lora import LoraMeta
+    from kernels.lora.meta import fill_tile_table, graph_tiles
+
+    counts = torch.bincount(idx, minlength=num_rows)  # [N]
+    seg_indptr = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])  # [N+1]
+    tiles = torch.empty(2, graph_tiles(len(idx), num_rows), dtype=torch.int32)
+    fill_tile_table(tiles.numpy(), seg_indptr.numpy())
+    return LoraMeta.over_rows(
+        idx.to(device), idx.argsort(stable=True).to(device), seg_indptr.to(device, torch.int32),
+        torch.arange(num_rows, device=device), tiles.to(device),
+    )  # fmt: skip
 
 
 def lora_bytes(shape: LoraShape, element_size: int) -> dict[str, int]:
@@ -264,11 +280,11 @@ def lora_bytes(shape: LoraShape, element_size: int) -> dict[str, int]:
 
 
 def lora_rows(device, dtype, shapes, copy_rate: float, sweep: bool) -> list[dict]:
-    from kernels.lora import torch_ops, triton_ops
+    from kernels.lora import LoraMeta, torch_ops, triton_ops
 
     rows = []
     for shape in shapes:
-        x, lora_a, lora_b, y, meta = lora_case(shape, device, dtype)
+        x, lora_a, lora_b, y, meta, idx = lora_case(shape, device, dtype)
         slices = shape.output_slices
         z = torch.zeros(shape.tokens, len(slices) * shape.rank, device=device, dtype=dtype)
         triton_ops.lora_shrink(z, x, lora_a, meta)  # the expand's input, as in a layer
@@ -281,9 +297,12 @@ def lora_rows(device, dtype, shapes, copy_rate: float, sweep: bool) -> list[dict
         row = {**shape.__dict__, "bytes": nbytes, "rel_error_of_delta": error}
         row["shrink_ms"] = time_ms(partial(triton_ops.lora_shrink, z, x, lora_a, meta), device)
         row["expand_ms"] = time_ms(partial(triton_ops.lora_expand, y, z, lora_b, meta, slices), device)
-        tile16 = dataclasses.replace(meta, tile_tokens=16)  # a CUDA graph's tiles (LoraMeta.over_rows)
+        tile16 = LoraMeta.build(idx, device, tile_tokens=16)  # a CUDA graph's tiles
         row["shrink_ms_tile16"] = time_ms(partial(triton_ops.lora_shrink, z, x, lora_a, tile16), device)
         row["expand_ms_tile16"] = time_ms(partial(triton_ops.lora_expand, y, z, lora_b, tile16, slices), device)
+        graph = graph_meta(idx, lora_a.shape[0], device)  # what a graph replays: one segment per stacked row
+        row["shrink_ms_graph"] = time_ms(partial(triton_ops.lora_shrink, z, x, lora_a, graph), device)
+        row["expand_ms_graph"] = time_ms(partial(triton_ops.lora_expand, y, z, lora_b, graph, slices), device)
         row["add_lora_ms"] = time_ms(partial(triton_ops.add_lora, y, x, lora_a, lora_b, meta, slices), device)
         row["torch_add_lora_ms"] = time_ms(partial(torch_ops.add_lora, y, x, lora_a, lora_b, meta, slices), device)
         for op in ("shrink", "expand"):
@@ -296,7 +315,8 @@ def lora_rows(device, dtype, shapes, copy_rate: float, sweep: bool) -> list[dict
               f"us {row['shrink_of_copy']:4.0%}, expand {row['expand_ms'] * 1e3:7.1f} us {row['expand_of_copy']:4.0%}"
               f" of copy; add_lora {row['add_lora_ms'] * 1e3:7.1f} us (torch {row['torch_add_lora_ms'] * 1e3:7.1f});"
               f" rel err {error:.1e}; 16-token tiles: shrink {row['shrink_ms_tile16'] * 1e3:.1f}, expand "
-              f"{row['expand_ms_tile16'] * 1e3:.1f} us", flush=True)  # fmt: skip
+              f"{row['expand_ms_tile16'] * 1e3:.1f} us; graph meta: {row['shrink_ms_graph'] * 1e3:.1f}, "
+              f"{row['expand_ms_graph'] * 1e3:.1f} us", flush=True)  # fmt: skip
     return rows
 
 

@@ -30,6 +30,7 @@ from torch import nn
 from engine.scheduler import ScheduledBatch
 from engine.step_meta import StepMeta
 from kernels.lora import NO_ADAPTER, LoraMeta
+from kernels.lora.meta import fill_tile_table, graph_tiles
 from kernels.paged_attention import PagedAttentionMeta
 
 logger = logging.getLogger(__name__)
@@ -67,8 +68,10 @@ class DecodeGraphs:
         pin = device.type == "cuda"
         # host staging, filled each step; [5, B]: input ids, positions, slots, adapter row, tokens sorted by row
         self.host_ids = torch.zeros(5, self.max_batch, dtype=torch.int64, pin_memory=pin)
-        # [B + rows + 1]: each seq's context length, then the LoRA segment bounds (segment a = row a)
-        self.host_lens = torch.zeros(self.max_batch + rows + 1, dtype=torch.int32, pin_memory=pin)
+        # [B + rows + 1 + 2 W]: each seq's context length, the LoRA segment bounds (segment a = row a), then the
+        # LoRA tile table [2, W] (W = the most tiles the largest bucket can need; a bucket's graph reads the first)
+        self.tile_width = graph_tiles(self.max_batch, rows) if rows else 0
+        self.host_lens = torch.zeros(self.max_batch + rows + 1 + 2 * self.tile_width, dtype=torch.int32, pin_memory=pin)
         self.host_tables = torch.zeros(self.max_batch, self.max_blocks, dtype=torch.int32, pin_memory=pin)  # [B, M]
         self.ids, self.lens, self.tables = (t.to(device) for t in (self.host_ids, self.host_lens, self.host_tables))
         self.seg_adapter_idx = torch.arange(rows, dtype=torch.int64, device=device)  # [rows]: fixed, segment a = row a
@@ -99,8 +102,10 @@ class DecodeGraphs:
         )
         lora = None
         if with_lora:
-            seg_indptr = self.lens[self.max_batch :]  # [rows + 1]
-            lora = LoraMeta.over_rows(adapter_idx, sorted_idx, seg_indptr, self.seg_adapter_idx)
+            rows = self.num_lora_rows
+            seg_indptr = self.lens[self.max_batch : self.max_batch + rows + 1]  # [rows + 1]
+            tiles = self._tile_table(self.lens)[:, : graph_tiles(size, rows)]  # [2, W(size)]
+            lora = LoraMeta.over_rows(adapter_idx, sorted_idx, seg_indptr, self.seg_adapter_idx, tiles)
         return self.model(input_ids, positions, StepMeta(attn, lora))
 
     @torch.inference_mode()
@@ -163,8 +168,14 @@ class DecodeGraphs:
             order = np.argsort(np.where(rows >= 0, rows, self.num_lora_rows), kind="stable")
             counts = np.bincount(rows[rows >= 0], minlength=self.num_lora_rows)
             ids[4, : counts.sum()] = order[: counts.sum()]
-            lens[self.max_batch] = 0
-            np.cumsum(counts, out=lens[self.max_batch + 1 :])
+            seg_indptr = lens[self.max_batch : self.max_batch + self.num_lora_rows + 1]
+            seg_indptr[0] = 0
+            np.cumsum(counts, out=seg_indptr[1:])
+            fill_tile_table(self._tile_table(self.host_lens).numpy(), seg_indptr)
+
+    def _tile_table(self, lens: torch.Tensor) -> torch.Tensor:
+        """The [2, W] tile table's view in lens (the host staging buffer or its device copy)."""
+        return lens[self.max_batch + self.num_lora_rows + 1 :].view(2, self.tile_width)
 
     def _copy(self, size: int | None = None, num_blocks: int | None = None) -> None:
         """The staging buffers to the device: the ids and lengths whole, the block tables' first `num_blocks`

@@ -1,5 +1,6 @@
 """Batched LoRA: torch ops vs a naive per-token fp32 loop; Triton ops (interpreted on CPU) vs torch."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from torch import Tensor
 
 from kernels.lora import LoraMeta, add_lora, get_lora_ops
 from kernels.lora import torch_ops as torch_module
+from kernels.lora.meta import GRAPH_TILE_TOKENS, NO_TILE, fill_tile_table, graph_tiles, tile_table
 
 torch_ops = get_lora_ops("torch")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -260,6 +262,55 @@ def test_meta_groups_tokens_by_adapter():
         assert not meta.has_lora and meta.active_adapters == [] and meta.sorted_token_idx.numel() == 0
     with pytest.raises(ValueError, match="-1 for no adapter"):
         LoraMeta.build([0, -2], "cpu")
+
+
+@pytest.mark.parametrize("tile_tokens", [0, 16, 64])
+def test_tile_table_covers_every_token_once_within_its_segment(tile_tokens):
+    idx = [3] * 130 + [0, 5, 5, -1] + [0] * 17 + [-1] * 3  # one long segment, a 2-token one, an 18-token one
+    meta = LoraMeta.build(idx, "cpu", tile_tokens=tile_tokens)
+    assert meta.tile_tokens == (tile_tokens or 64)  # from the longest segment, at most 64
+    segs, starts = meta.tile_table.tolist()
+    bounds = meta.seg_indptr.tolist()
+    covered = []
+    for seg, start in zip(segs, starts, strict=True):
+        end = min(start + meta.tile_tokens, bounds[seg + 1])
+        assert bounds[seg] <= start < end
+        covered += range(start, end)
+    assert covered == list(range(len(meta.sorted_token_idx)))  # each once, in order
+    expected_tiles = sum(-(-n // meta.tile_tokens) for n in (18, 130, 2))
+    assert len(segs) == expected_tiles and meta.tile_table.dtype == torch.int32
+    assert LoraMeta.build([4, 4], "cpu").tile_tokens == 16 and LoraMeta.build([-1], "cpu").tile_table.shape == (2, 0)
+
+
+def test_graph_tile_table_fits_any_step_of_its_bucket():
+    gen = torch.Generator().manual_seed(0)
+    for num_tokens, num_rows in [(1, 1), (16, 4), (64, 8), (37, 16)]:
+        width = graph_tiles(num_tokens, num_rows)
+        for _ in range(20):
+            rows = torch.randint(-1, num_rows, (torch.randint(0, num_tokens + 1, (1,), generator=gen).item(),))
+            counts = torch.bincount(rows[rows >= 0], minlength=num_rows)
+            seg_indptr = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+            table = torch.zeros(2, width, dtype=torch.int32)
+            fill_tile_table(table.numpy(), seg_indptr.numpy())
+            used = table[0] != NO_TILE
+            expected = tile_table(seg_indptr, GRAPH_TILE_TOKENS)
+            assert torch.equal(table[:, : expected.shape[1]], torch.from_numpy(expected))
+            assert int(used.sum()) == expected.shape[1] and not used[expected.shape[1] :].any()
+
+
+@pytest.mark.parametrize("tile_tokens", [16, 0])
+def test_triton_ops_cut_long_segments_into_tiles(tile_tokens):
+    """A 130-token prompt beside a few decode tokens: several tiles of one segment, tiles of different segments
+    in one launch, the last tile of each partly past its segment."""
+    case = make_case(150, 4, 8, "uniform", "qkv", device=TRITON_DEVICE)
+    idx = [2] * 130 + [0, 3, -1, 3, 1] * 4
+    meta = LoraMeta.build(idx, TRITON_DEVICE, tile_tokens=tile_tokens)
+    x = case.x.nan_to_num()
+    z, delta = naive_lora(x.cpu(), case.lora_a.cpu(), case.lora_b.cpu(), idx, case.output_slices)
+    case = dataclasses.replace(
+        case, x=x, token_adapter_idx=idx, meta=meta, expected_z=z.to(TRITON_DEVICE), expected_y=case.y + delta.to(x)
+    )
+    check_ops(get_lora_ops("triton"), case)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])

@@ -2,13 +2,16 @@
 
 Token t of the step's flat batch uses row `token_adapter_idx[t]` of the stacked weights, -1 = no adapter.
 The tokens with an adapter are grouped by adapter: `sorted_token_idx` sorts them (stably) by row, and segment a
-of it holds the tokens of row `active_adapters[a]`. Besides what the Triton kernels read, `build` precomputes
-the two layouts the torch path may use without a gather (tokens already in runs) or with one padded batch
-(many small segments), so that a layer builds no index.
+of it holds the tokens of row `active_adapters[a]`. The Triton kernels run one program per tile of up to
+`tile_tokens` tokens of one segment (times column tiles): the tile table lists the tiles, so a launch holds no
+program without tokens however unequal the segments are. Besides what the Triton kernels read, `build`
+precomputes the two layouts the torch path may use without a gather (tokens already in runs) or with one padded
+batch (many small segments), so that a layer builds no index.
 """
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -16,6 +19,9 @@ NO_ADAPTER = -1
 # The padded layout is built only while padding at most doubles the rows: beyond that, padding costs more work
 # than the per-segment loop it saves.
 MAX_PADDED_ROWS_PER_TOKEN = 2
+# Tokens per Triton tile: a power of two from the longest segment, at least 16 (tl.dot's least M), at most 64.
+MIN_TILE_TOKENS, MAX_TILE_TOKENS = 16, 64
+NO_TILE = -1  # a tile table's unused entry: its program exits
 
 
 @dataclass(slots=True)
@@ -41,9 +47,10 @@ class LoraMeta:
     # max_rank of the stacked weights; None: every row uses all R
     row_ranks: Tensor | None = None
     max_rank: int = 0
-    # Triton: tokens per program (a power of two >= 16); 0: from max_seg_len. A graph's meta, whose max_seg_len is
-    # the whole batch, sets the least, as its segments are a decode step's few tokens per adapter.
-    tile_tokens: int = 0
+    # Triton: tokens per program (a power of two >= 16), and the tiles' table: tile_table[0, j] = the segment
+    # of tile j (NO_TILE: none, the program exits), tile_table[1, j] = its first position in sorted_token_idx
+    tile_tokens: int = MIN_TILE_TOKENS
+    tile_table: Tensor | None = None  # [2, W] int32 on device; W = the launch's tiles
 
     @property
     def num_active(self) -> int:
@@ -56,7 +63,9 @@ class LoraMeta:
         device: torch.device | str,
         row_ranks: Tensor | None = None,
         max_rank: int = 0,
+        tile_tokens: int = 0,
     ) -> "LoraMeta":
+        """`tile_tokens`: the Triton tiles' tokens (0: from the longest segment)."""
         idx = torch.as_tensor(token_adapter_idx, dtype=torch.int64).cpu().view(-1)  # [T]
         if idx.numel() and int(idx.min()) < NO_ADAPTER:
             raise ValueError(f"token_adapter_idx holds {int(idx.min())}; rows are >= 0, or -1 for no adapter")
@@ -67,6 +76,7 @@ class LoraMeta:
         seg_lens = counts.tolist()
         seg_indptr = [0, *torch.cumsum(counts, 0).tolist()]
         max_seg_len = max(seg_lens, default=0)
+        tile_tokens = tile_tokens or tile_tokens_for(max_seg_len)
 
         def dev(x: list[int] | Tensor, dtype: torch.dtype = torch.int64) -> Tensor:
             return torch.as_tensor(x, dtype=dtype).to(device=device, non_blocking=True)
@@ -92,24 +102,35 @@ class LoraMeta:
             padded_is_pad=padded_is_pad,
             row_ranks=row_ranks,
             max_rank=max_rank,
+            tile_tokens=tile_tokens,
+            tile_table=dev(torch.from_numpy(tile_table(seg_indptr, tile_tokens)), torch.int32),
         )
 
     @classmethod
     def over_rows(
-        cls, token_adapter_idx: Tensor, sorted_token_idx: Tensor, seg_indptr: Tensor, seg_adapter_idx: Tensor
+        cls,
+        token_adapter_idx: Tensor,
+        sorted_token_idx: Tensor,
+        seg_indptr: Tensor,
+        seg_adapter_idx: Tensor,
+        tile_table: Tensor,
     ) -> "LoraMeta":
         """A meta over fixed device buffers whose contents change from step to step but whose launches do not (a
         CUDA graph's): one segment per stacked row, segment a = row seg_adapter_idx[a] (empty where the row has no
-        token), each up to every token long. What the kernels read comes from the buffers, which the caller fills;
-        what they launch from the shapes alone. Only the Triton ops read it (the torch-path layouts and host lists
-        are left empty).
-        token_adapter_idx, sorted_token_idx: [T] int64 · seg_indptr: [N+1] int32 · seg_adapter_idx: [N] int64"""
+        token), each up to every token long, in tiles of GRAPH_TILE_TOKENS. What the kernels read comes from the
+        buffers, which the caller fills (`fill_tile_table` for the table, whose unused tiles hold segment -1); what
+        they launch from the shapes alone. Only the Triton ops read it (the torch-path layouts and host lists are
+        left empty).
+        token_adapter_idx, sorted_token_idx: [T] int64 · seg_indptr: [N+1] int32 · seg_adapter_idx: [N] int64 ·
+        tile_table: [2, graph_tiles(T, N)] int32"""
         num_tokens, num_rows = token_adapter_idx.shape[0], seg_adapter_idx.shape[0]
         if sorted_token_idx.shape[0] != num_tokens or seg_indptr.shape[0] != num_rows + 1:
             raise ValueError(
                 f"{num_tokens} tokens, {sorted_token_idx.shape[0]} sorted; {num_rows} rows, {seg_indptr.shape[0]} "
                 "segment bounds (want tokens + 0, rows + 1)"
             )
+        if tile_table.shape != (2, graph_tiles(num_tokens, num_rows)):
+            raise ValueError(f"tile_table is {tuple(tile_table.shape)}, want [2, {graph_tiles(num_tokens, num_rows)}]")
         return cls(
             token_adapter_idx=token_adapter_idx,
             num_tokens=num_tokens,
@@ -125,8 +146,43 @@ class LoraMeta:
             padded_token_idx=None,
             padded_rows=None,
             padded_is_pad=None,
-            tile_tokens=16,  # H100, W1, 64 tokens over 8 rows: the LoRA graph replays in 796 us, 890 with 64
+            tile_tokens=GRAPH_TILE_TOKENS,
+            tile_table=tile_table,
         )
+
+
+# A graph's tiles: its segments are a decode step's few tokens per adapter. H100, W1, 64 tokens over 8 rows: the
+# LoRA graph replayed in 796 us with 16, 890 with 64 (before the tile table).
+GRAPH_TILE_TOKENS = MIN_TILE_TOKENS
+
+
+def tile_tokens_for(max_seg_len: int) -> int:
+    """Tokens per Triton tile for segments of up to max_seg_len tokens."""
+    return max(MIN_TILE_TOKENS, min(MAX_TILE_TOKENS, 1 << max(0, max_seg_len - 1).bit_length()))
+
+
+def tile_table(seg_indptr: np.ndarray | list[int], tile_tokens: int) -> np.ndarray:
+    """[2, W] int32: each segment cut into tiles of up to tile_tokens tokens, in order: row 0 the tile's segment,
+    row 1 its first position in sorted_token_idx. seg_indptr: [A+1]. Numpy: a decode step builds one on the host
+    (some ten microseconds; torch's CPU ops took ~0.4 ms)."""
+    bounds = np.asarray(seg_indptr, dtype=np.int64)
+    starts, lens = bounds[:-1], np.diff(bounds)  # [A]
+    counts = -(-lens // tile_tokens)  # [A] tiles per segment
+    segs = np.repeat(np.arange(len(counts)), counts)  # [W]
+    within = np.arange(len(segs)) - (np.cumsum(counts) - counts)[segs]  # [W] the tile's index in its segment
+    return np.stack([segs, starts[segs] + within * tile_tokens]).astype(np.int32)
+
+
+def graph_tiles(num_tokens: int, num_rows: int) -> int:
+    """The most tiles of GRAPH_TILE_TOKENS that num_tokens tokens over num_rows segments can need."""
+    return -(-num_tokens // GRAPH_TILE_TOKENS) + num_rows
+
+
+def fill_tile_table(out: np.ndarray, seg_indptr: np.ndarray) -> None:
+    """Writes a graph step's tiles (GRAPH_TILE_TOKENS each) into the [2, W] int32 host buffer out, NO_TILE past them."""
+    tiles = tile_table(seg_indptr, GRAPH_TILE_TOKENS)  # [2, w], w <= W
+    out[:, : tiles.shape[1]] = tiles
+    out[0, tiles.shape[1] :] = NO_TILE
 
 
 def _run_starts(idx: Tensor, sorted_token_idx: Tensor, seg_indptr: list[int]) -> list[int] | None:

@@ -1,8 +1,10 @@
 """Batched multi-LoRA shrink and expand in Triton: SGMV over the meta's adapter segments.
 
-Same signatures and semantics as torch_ops. A program owns (segment, tile of BLOCK_M of its tokens, tile of
-output columns): it reads the segment's adapter row once, gathers its tokens through sorted_token_idx, and
-accumulates tl.dot products in fp32; a decode batch is many one-token segments, so BLOCK_M follows max_seg_len.
+Same signatures and semantics as torch_ops. A program owns (tile of up to meta.tile_tokens tokens of one segment,
+tile of output columns): the meta's tile table names the tile's segment and first token, so a launch holds no
+program without tokens, whether its segments are one long prompt and a few decode tokens or a CUDA graph's
+fixed one-segment-per-row layout. A program reads the segment's adapter row once, gathers its tokens through
+sorted_token_idx, and accumulates tl.dot products in fp32.
 The expand's third grid axis walks (slice, column tile), so a packed layer is one launch whatever its slices.
 Ranks and hidden sizes need not be powers of two: every load is masked and the rank is padded to 16 in
 registers (tl.dot needs every dimension >= 16). Imported only when the "triton" backend is chosen.
@@ -18,8 +20,7 @@ from torch import Tensor
 from .compose import compose_add_lora
 from .meta import LoraMeta, check_expand, check_shrink
 
-MIN_DOT = 16  # tl.dot needs every dimension >= 16
-MAX_BLOCK_M = 64  # tokens per program
+MIN_DOT = 16  # tl.dot needs every dimension >= 16 (meta.tile_tokens is, too)
 # Tile sizes and launch options chosen by `loraplex bench gpu --sweep` on an H100 (bf16, decode shapes of 64-256
 # tokens over 8-128 adapters of rank 16-64): the fastest, or within 5% of it, on every shape swept.
 SHRINK_BLOCK_N = 32  # output columns (of S * R) per shrink program
@@ -39,12 +40,13 @@ def lora_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta) -> None:
     _check_dtypes(x, lora_a)
     width = out.shape[1]
     block_n = max(MIN_DOT, min(SHRINK_BLOCK_N, triton.next_power_of_2(width)))
-    block_m = _block_m(meta)
-    grid = (meta.num_active, triton.cdiv(meta.max_seg_len, block_m), triton.cdiv(width, block_n))
+    tiles = meta.tile_table
+    grid = (tiles.shape[1], triton.cdiv(width, block_n))
     _shrink_kernel[grid](
-        out, x, lora_a, meta.sorted_token_idx, meta.seg_indptr, meta.seg_adapter_idx, x.shape[1], width,
+        out, x, lora_a, meta.sorted_token_idx, meta.seg_indptr, meta.seg_adapter_idx, tiles[0], tiles[1],
+        x.shape[1], width,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        block_m, block_n, max(MIN_DOT, SHRINK_BLOCK_K * 2 // x.element_size()), _precision(x), **SHRINK_LAUNCH,
+        meta.tile_tokens, block_n, max(MIN_DOT, SHRINK_BLOCK_K * 2 // x.element_size()), _precision(x), **SHRINK_LAUNCH,
     )  # fmt: skip
 
 
@@ -58,21 +60,15 @@ def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_sli
     _check_dtypes(z, lora_b)
     rank = lora_b.shape[2]
     block_k = max(MIN_DOT, min(MAX_EXPAND_BLOCK_K, triton.next_power_of_2(rank)))
-    block_m = _block_m(meta)
+    tiles = meta.tile_table
     col_tiles = triton.cdiv(max(output_slices), EXPAND_BLOCK_N)
-    grid = (meta.num_active, triton.cdiv(meta.max_seg_len, block_m), len(output_slices) * col_tiles)
+    grid = (tiles.shape[1], len(output_slices) * col_tiles)
     _expand_kernel[grid](
-        y, z, lora_b, meta.sorted_token_idx, meta.seg_indptr, meta.seg_adapter_idx,
+        y, z, lora_b, meta.sorted_token_idx, meta.seg_indptr, meta.seg_adapter_idx, tiles[0], tiles[1],
         _slice_bounds(output_slices, y.device), rank, col_tiles,
         y.stride(0), y.stride(1), z.stride(0), z.stride(1), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-        block_m, EXPAND_BLOCK_N, block_k, _precision(z), **EXPAND_LAUNCH,
+        meta.tile_tokens, EXPAND_BLOCK_N, block_k, _precision(z), **EXPAND_LAUNCH,
     )  # fmt: skip
-
-
-def _block_m(meta: LoraMeta) -> int:
-    if meta.tile_tokens:
-        return meta.tile_tokens
-    return max(MIN_DOT, min(MAX_BLOCK_M, triton.next_power_of_2(meta.max_seg_len)))
 
 
 def _precision(x: Tensor) -> str:
@@ -94,22 +90,31 @@ def _slice_bounds(output_slices: tuple[int, ...], device: torch.device) -> Tenso
 
 
 @triton.jit
+def _tile_tokens(tile_start_ptr, seg, sorted_token_idx_ptr, seg_indptr_ptr, seg_adapter_idx_ptr, BLOCK_M: tl.constexpr):
+    """A tile's adapter row, its BLOCK_M token indices and which of them are tokens of the segment."""
+    start = tl.load(tile_start_ptr)
+    seg_end = tl.load(seg_indptr_ptr + seg + 1)
+    positions = start + tl.arange(0, BLOCK_M)
+    row_valid = positions < seg_end
+    tokens = tl.load(sorted_token_idx_ptr + positions, mask=row_valid, other=0).to(tl.int64)
+    return tl.load(seg_adapter_idx_ptr + seg).to(tl.int64), tokens, row_valid
+
+
+@triton.jit
 def _shrink_kernel(
-    out_ptr, x_ptr, lora_a_ptr, sorted_token_idx_ptr, seg_indptr_ptr, seg_adapter_idx_ptr,
-    hidden_in, width,
+    out_ptr, x_ptr, lora_a_ptr, sorted_token_idx_ptr, seg_indptr_ptr, seg_adapter_idx_ptr, tile_seg_ptr,
+    tile_start_ptr, hidden_in, width,
     stride_xt, stride_xh, stride_ot, stride_ow, stride_an, stride_aw, stride_ah,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Program (segment, row tile, column tile): out[tokens, cols] for BLOCK_M of the segment's tokens."""
-    seg, tile_m, tile_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seg_start = tl.load(seg_indptr_ptr + seg)
-    seg_len = tl.load(seg_indptr_ptr + seg + 1) - seg_start
-    if tile_m * BLOCK_M < seg_len:
-        adapter = tl.load(seg_adapter_idx_ptr + seg).to(tl.int64)
-        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_valid = rows < seg_len
-        tokens = tl.load(sorted_token_idx_ptr + seg_start + rows, mask=row_valid, other=0).to(tl.int64)
+    """Program (token tile, column tile): out[tokens, cols] for up to BLOCK_M tokens of one segment."""
+    tile, tile_n = tl.program_id(0), tl.program_id(1)
+    seg = tl.load(tile_seg_ptr + tile)
+    if seg >= 0:
+        adapter, tokens, row_valid = _tile_tokens(
+            tile_start_ptr + tile, seg, sorted_token_idx_ptr, seg_indptr_ptr, seg_adapter_idx_ptr, BLOCK_M
+        )
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_valid = cols < width
         a_rows = lora_a_ptr + adapter * stride_an + cols[:, None] * stride_aw  # [BLOCK_N, 1]
@@ -127,28 +132,29 @@ def _shrink_kernel(
 
 @triton.jit
 def _expand_kernel(
-    y_ptr, z_ptr, lora_b_ptr, sorted_token_idx_ptr, seg_indptr_ptr, seg_adapter_idx_ptr, slice_bounds_ptr,
-    rank, col_tiles,
+    y_ptr, z_ptr, lora_b_ptr, sorted_token_idx_ptr, seg_indptr_ptr, seg_adapter_idx_ptr, tile_seg_ptr,
+    tile_start_ptr, slice_bounds_ptr, rank, col_tiles,
     stride_yt, stride_yh, stride_zt, stride_zw, stride_bn, stride_bh, stride_br,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Program (segment, row tile, slice * col_tiles + column tile): y[tokens, cols] += z-slice @ lora_b-slice.T."""
-    seg, tile_m, slice_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Program (token tile, slice * col_tiles + column tile): y[tokens, cols] += z-slice @ lora_b-slice.T for up to
+    BLOCK_M tokens of one segment."""
+    tile, slice_tile = tl.program_id(0), tl.program_id(1)
     s, tile_n = slice_tile // col_tiles, slice_tile % col_tiles
-    seg_start = tl.load(seg_indptr_ptr + seg)
-    seg_len = tl.load(seg_indptr_ptr + seg + 1) - seg_start
+    seg = tl.load(tile_seg_ptr + tile)
     col_start = tl.load(slice_bounds_ptr + s)
     slice_width = tl.load(slice_bounds_ptr + s + 1) - col_start
-    if (tile_m * BLOCK_M < seg_len) & (tile_n * BLOCK_N < slice_width):
-        adapter = tl.load(seg_adapter_idx_ptr + seg).to(tl.int64)
-        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_valid = rows < seg_len
-        tokens = tl.load(sorted_token_idx_ptr + seg_start + rows, mask=row_valid, other=0).to(tl.int64)
+    if (seg >= 0) & (tile_n * BLOCK_N < slice_width):
+        adapter, tokens, row_valid = _tile_tokens(
+            tile_start_ptr + tile, seg, sorted_token_idx_ptr, seg_indptr_ptr, seg_adapter_idx_ptr, BLOCK_M
+        )
         in_slice = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_valid = in_slice < slice_width
         cols = col_start + in_slice
         b_rows = lora_b_ptr + adapter * stride_bn + cols[:, None] * stride_bh  # [BLOCK_N, 1]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        y_offs = tokens[:, None] * stride_yt + cols[None, :] * stride_yh
+        mask = row_valid[:, None] & col_valid[None, :]
+        acc = tl.load(y_ptr + y_offs, mask=mask, other=0.0).to(tl.float32)  # y first: its load overlaps the dot's
         for k_start in range(0, rank, BLOCK_K):
             ks = k_start + tl.arange(0, BLOCK_K)
             k_valid = ks < rank
@@ -156,10 +162,7 @@ def _expand_kernel(
             z = tl.load(z_ptr + z_offs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
             b = tl.load(b_rows + ks[None, :] * stride_br, mask=col_valid[:, None] & k_valid[None, :], other=0.0)
             acc += tl.dot(z, tl.trans(b), input_precision=DOT_PRECISION)
-        y_offs = tokens[:, None] * stride_yt + cols[None, :] * stride_yh
-        mask = row_valid[:, None] & col_valid[None, :]
-        y = tl.load(y_ptr + y_offs, mask=mask, other=0.0)
-        tl.store(y_ptr + y_offs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 add_lora = compose_add_lora(lora_shrink, lora_expand)
