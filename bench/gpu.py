@@ -12,9 +12,10 @@ attention  the Triton paged decode attention on decode shapes (Llama-3-8B heads:
 lora       shrink, expand and add_lora (Triton) on decode shapes (one token per seq, H 4096, qkv slices 4096 /
            1024 / 1024): bandwidth over the adapters' A (shrink) or B (expand) rows in use plus activations.
 engine     W1 of ../shared/peers (the random 56M Llama, 64 requests of 128 prompt ids, 64 greedy output tokens,
-           K=8 rank-8 adapters on all seven modules) through the offline LLM on the device, base then LoRA, and
-           a bigger random Llama (1B-class layers, 8 of them) the same way: output tok/s and LoRA / base.
-           Decode steps replay CUDA graphs, as the engine's default is; --eager also runs both with enforce_eager.
+           K=8 rank-8 adapters on all seven modules) through the offline LLM on the device, base and LoRA engines
+           side by side, their runs interleaved, and a bigger random Llama (1B-class layers, 8 of them) the same
+           way: output tok/s and LoRA / base (the median of paired runs' ratios). Decode steps replay CUDA graphs,
+           as the engine's default is; --eager also runs both with enforce_eager.
 
 --sweep also times the kernels under several launch settings (key tile, warps, pipeline stages, split-decode
 partition) and prints the best, to choose the modules' defaults. Kernel times are Triton's do_bench medians
@@ -345,38 +346,65 @@ def lora_sweep(x, lora_a, lora_b, y, z, meta, slices, nbytes, device) -> dict[st
 
 
 def engine_rows(device, dtype_name: str, smoke: bool, profile: bool, out_dir: Path, eager: bool = False) -> list[dict]:
-    """W1 and a bigger random Llama through the offline LLM on the device, base then LoRA, in this process (decode
-    steps as CUDA graphs; with `eager`, also both with enforce_eager)."""
+    """W1 and a bigger random Llama through the offline LLM on the device, base and LoRA (decode steps as CUDA
+    graphs; with `eager`, also both with enforce_eager). Each mode's engine is built up front and their runs
+    interleave (base, LoRA, base, LoRA...), so that a slow spell of a shared host falls on every mode alike; a
+    ratio is the median of the runs' pairwise ratios."""
     import tempfile
 
     from bench.engine import MODEL_56M
+    from engine.sampling_params import SamplingParams
 
     big = dict(MODEL_56M, hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8)
     models = [("W1 56M", MODEL_56M, 64, 128, 64, 8, 8), ("1B-class x8 layers", big, 256, 512, 128, 16, 16)]
     if smoke:
         tiny = dict(MODEL_56M, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
         models = [("smoke", dict(tiny, num_key_value_heads=2), 4, 16, 4, 2, 4)]
+    modes = ("base", "lora", "base-eager", "lora-eager") if eager else ("base", "lora")
     rows = []
     for name, config, num_prompts, input_len, output_len, num_adapters, rank in models:
         with tempfile.TemporaryDirectory() as tmp:
-            paths = write_model(Path(tmp), config, num_adapters, rank)
+            model_dir, adapters = write_model(Path(tmp), config, num_adapters, rank)
             row = {"model": name, "config": config, "num_prompts": num_prompts, "input_len": input_len,
                    "output_len": output_len, "adapters": num_adapters, "rank": rank, "dtype": dtype_name}  # fmt: skip
-            for mode in ("base", "lora", "base-eager", "lora-eager") if eager else ("base", "lora"):
-                profile_to = out_dir / f"profile-{len(rows)}-{mode}.txt" if profile else None
-                row[mode] = run_engine(paths, device, dtype_name, mode, config["vocab_size"], num_prompts, input_len,
-                                       output_len, rank, profile_to)  # fmt: skip
+            llms = {mode: make_llm(model_dir, len(adapters), device, dtype_name, mode, input_len + output_len,
+                                   num_prompts, rank) for mode in modes}  # fmt: skip
+            gen = torch.Generator().manual_seed(1)
+            params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+            walls: dict[str, list[float]] = {mode: [] for mode in modes}
+            runs = 6 if num_prompts * input_len <= 8192 else 3  # small runs are short and noisy: more of them
+            for run in range(1 + runs):  # the first warms up (compiles the kernels)
+                prompts = torch.randint(10, config["vocab_size"], (num_prompts, input_len), generator=gen).tolist()
+                for mode, llm in llms.items():
+                    lora = [adapters[i % len(adapters)] for i in range(num_prompts)] if "lora" in mode else None
+                    wall = timed_generate(llm, prompts, params, lora, device)
+                    if run:
+                        walls[mode].append(wall)
+            for mode in modes:
+                row[mode] = {"walls_s": walls[mode], "tok_s": num_prompts * output_len / statistics.median(walls[mode])}
                 print(f"engine {name} {mode}: {row[mode]['tok_s']:.0f} tok/s "
-                      f"(runs {', '.join(f'{w:.3f}' for w in row[mode]['walls_s'])} s)", flush=True)  # fmt: skip
-            row["lora_over_base"] = row["lora"]["tok_s"] / row["base"]["tok_s"]
-            print(f"engine {name}: LoRA / base {row['lora_over_base']:.2f}", flush=True)
+                      f"(runs {', '.join(f'{w:.3f}' for w in walls[mode])} s)", flush=True)  # fmt: skip
+                if profile:
+                    lora = [adapters[i % len(adapters)] for i in range(num_prompts)] if "lora" in mode else None
+                    profile_to = out_dir / f"profile-{len(rows)}-{mode}.txt"
+                    row[mode]["profile"] = profile_run(llms[mode], prompts, params, lora, device, profile_to)
+            row["lora_over_base"] = paired_ratio(walls["lora"], walls["base"])
+            print(f"engine {name}: LoRA / base {row['lora_over_base']:.2f} (median of paired runs)", flush=True)
             if eager:
-                row["eager_lora_over_base"] = row["lora-eager"]["tok_s"] / row["base-eager"]["tok_s"]
+                row["eager_lora_over_base"] = paired_ratio(walls["lora-eager"], walls["base-eager"])
                 print(f"engine {name}: eager LoRA / base {row['eager_lora_over_base']:.2f}; graphs / eager: base "
-                      f"{row['base']['tok_s'] / row['base-eager']['tok_s']:.2f}, LoRA "
-                      f"{row['lora']['tok_s'] / row['lora-eager']['tok_s']:.2f}", flush=True)  # fmt: skip
+                      f"{paired_ratio(walls['base'], walls['base-eager']):.2f}, LoRA "
+                      f"{paired_ratio(walls['lora'], walls['lora-eager']):.2f}", flush=True)  # fmt: skip
+            del llms
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             rows.append(row)
     return rows
+
+
+def paired_ratio(walls: list[float], other_walls: list[float]) -> float:
+    """The throughput of one mode over another's: the median of each interleaved pair of runs' ratio."""
+    return statistics.median(other / wall for wall, other in zip(walls, other_walls, strict=True))
 
 
 def write_model(directory: Path, config: dict, num_adapters: int, rank: int) -> tuple[Path, list]:
@@ -387,50 +415,36 @@ def write_model(directory: Path, config: dict, num_adapters: int, rank: int) -> 
     return directory / "base", make_adapters(model, directory, num_adapters, rank)
 
 
-def run_engine(
-    paths, device, dtype_name, mode, vocab, num_prompts, input_len, output_len, rank, profile_to: Path | None
-) -> dict:
+def make_llm(model_dir, num_adapters, device, dtype_name, mode, max_model_len, num_prompts, rank):
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
 
-    model_dir, adapters = paths
-    use_lora = mode.startswith("lora")
-    llm = LLM(
+    return LLM(
         model=str(model_dir),
         dtype=dtype_name,
         device=str(device),
-        max_model_len=input_len + output_len,
+        max_model_len=max_model_len,
         max_num_seqs=num_prompts,
         max_num_batched_tokens=max(2048, num_prompts),
         enable_prefix_caching=False,
         kv_cache_memory=4 << 30 if device.type == "cuda" else None,  # not 85% of an 80 GB card for a small run
-        enable_lora=use_lora,
-        max_loras=max(1, len(adapters)),
-        max_cpu_loras=max(1, len(adapters)),
+        enable_lora=mode.startswith("lora"),
+        max_loras=max(1, num_adapters),
+        max_cpu_loras=max(1, num_adapters),
         max_lora_rank=rank,
         enforce_eager=mode.endswith("eager"),
     )
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
-    gen = torch.Generator().manual_seed(1)
-    walls = []
-    runs = 6 if num_prompts * input_len <= 8192 else 3  # small runs are short and noisy: more of them
-    for run in range(1 + runs):  # the first warms up (compiles the kernels)
-        prompts = torch.randint(10, vocab, (num_prompts, input_len), generator=gen).tolist()
-        lora = [adapters[i % len(adapters)] for i in range(num_prompts)] if use_lora else None
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
-        if run:
-            walls.append(time.perf_counter() - start)
-        assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
-    result: dict = {"walls_s": walls, "tok_s": num_prompts * output_len / statistics.median(walls)}
-    if profile_to is not None:
-        result["profile"] = profile_run(llm, prompts, params, lora, device, profile_to)
-    del llm
+
+
+def timed_generate(llm, prompts, params, lora, device) -> float:
+    """Seconds for one offline generate of `prompts`, the device's queue drained before and after."""
     if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return result
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    assert all(len(o.outputs[0].token_ids) == params.max_tokens for o in outputs)
+    return time.perf_counter() - start
 
 
 def profile_run(llm, prompts, params, lora, device, path: Path) -> dict:

@@ -29,3 +29,18 @@ def test_smoke_run_of_the_kernel_sections(tmp_path, monkeypatch):
     assert attention["bytes"] == gpu.attention_bytes(gpu.SMOKE_ATTENTION[0], 4) and attention["triton_ms"] > 0
     (lora,) = results["lora"]
     assert lora["rel_error_of_delta"] < 1e-5 and lora["shrink_ms"] > 0 and lora["expand_ms"] > 0
+
+
+def test_smoke_run_of_the_engine_section_pairs_interleaved_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    results = gpu.main(["--sections", "engine", "--dtype", "float32", "--json", str(tmp_path / "gpu.json")])
+    assert results["failures"] == {}
+    (row,) = results["engine"]
+    base, lora = row["base"]["walls_s"], row["lora"]["walls_s"]
+    assert len(base) == len(lora) == 6
+    assert row["lora_over_base"] == gpu.paired_ratio(lora, base) > 0
+
+
+def test_paired_ratio_is_the_median_of_each_pairs_ratio():
+    assert gpu.paired_ratio([2.0, 1.0, 4.0], [1.0, 1.0, 1.0]) == 0.5  # pairs 0.5, 1.0, 0.25
+    assert gpu.paired_ratio([1.0, 3.0, 2.0], [2.0, 3.0, 1.0]) == 1.0  # pairs 2.0, 1.0, 0.5
