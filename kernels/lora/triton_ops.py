@@ -5,7 +5,7 @@ tile of output columns): the meta's tile table names the tile's segment and firs
 program without tokens, whether its segments are one long prompt and a few decode tokens or a CUDA graph's
 fixed one-segment-per-row layout. A program reads the segment's adapter row once, gathers its tokens through
 sorted_token_idx, and accumulates tl.dot products in fp32.
-The expand's third grid axis walks (slice, column tile), so a packed layer is one launch whatever its slices.
+The expand's second grid axis walks (slice, column tile), so a packed layer is one launch whatever its slices.
 Ranks and hidden sizes need not be powers of two: every load is masked and the rank is padded to 16 in
 registers (tl.dot needs every dimension >= 16). Imported only when the "triton" backend is chosen.
 """
