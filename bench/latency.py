@@ -14,6 +14,9 @@ counts. Server / offline there is the gateway's whole overhead: HTTP, tokens to 
 requests arriving over time instead of all at once. Each run at the highest concurrency also follows one offline
 run of its own (the server idle meanwhile), and the median of those pairs' ratios is printed beside the first: on a
 host whose speed drifts by 20% within minutes the runs before and after the server can miss what the server met.
+Those pairs also compare CPU time per output token: the offline engine's (its process, every thread), the server's
+(its process: engine, event loop, tokenizer, accounting) and the benchmark client's (this process), so that what
+the gateway costs shows apart from what the client, sharing the cores, takes from it.
 Prints a table, writes latency.json and latency_vs_concurrency.png.
 """
 
@@ -83,7 +86,7 @@ def measure(args: argparse.Namespace, levels: list[int]) -> dict:
         body = json.loads(workload_file.read_text())
         pair_file = replace(workload, runs=1).write(Path(tmp) / "pair-workload.json", model, adapters, rank)
         before = run_offline(workload_file, args.threads, bool(adapters))
-        pairs: list[tuple[float, float]] = []  # (offline tok/s, server tok/s) run back to back at the top level
+        pairs: list[tuple[dict, dict]] = []  # (offline run, server run) back to back at the top level
         names = [name for name, _ in adapters]
         served = "bench-base"
         serve_args = [
@@ -108,9 +111,9 @@ def measure(args: argparse.Namespace, levels: list[int]) -> dict:
                     fresh = workload.requests(vocab_size, len(adapters), run=1000 * (repeat + 1) + level)
                     specs = [spec(i, ids, model_of(a), args.output_len) for i, (ids, a) in enumerate(fresh)]
                     alone = run_offline(pair_file, args.threads, bool(adapters)) if level == levels[-1] else None
-                    repeats.append(serve_run(specs, target, level))
+                    repeats.append(serve_run(specs, target, level, server.process.pid))
                     if alone is not None:
-                        pairs.append((alone["output_tokens"] / alone["walls_s"][0], repeats[-1]["output_throughput"]))
+                        pairs.append((alone, repeats[-1]))
                 repeats.sort(key=lambda run: run["output_throughput"])  # the median run (the upper one of two)
                 runs.append({**repeats[len(repeats) // 2], "throughputs": [r["output_throughput"] for r in repeats]})
         offline = both_sides(before, run_offline(workload_file, args.threads, bool(adapters)))
@@ -123,11 +126,7 @@ def measure(args: argparse.Namespace, levels: list[int]) -> dict:
         "offline": offline,
         "runs": runs,
         "server_over_offline": top["output_throughput"] / offline["output_tok_s"],
-        "paired": {
-            "offline_tok_s": [alone for alone, _ in pairs],
-            "server_tok_s": [served for _, served in pairs],
-            "server_over_offline": statistics.median(served / alone for alone, served in pairs),
-        },
+        "paired": paired_figures(pairs),
     }
     print_table(result)
     (args.result_dir / "latency.json").write_text(json.dumps(result, indent=2))
@@ -136,12 +135,47 @@ def measure(args: argparse.Namespace, levels: list[int]) -> dict:
     return result
 
 
-def serve_run(specs: list[RequestSpec], target: Target, level: int) -> dict:
-    """One run of `specs` through the server, `level` in flight: its summary (per-adapter rows left out)."""
+def serve_run(specs: list[RequestSpec], target: Target, level: int, server_pid: int) -> dict:
+    """One run of `specs` through the server, `level` in flight: its summary (per-adapter rows left out), and the
+    CPU seconds the server and this process (the client) spent meanwhile."""
+    server_cpu, client_cpu = process_cpu_s(server_pid), time.process_time()
     summary = summarize(*run_requests(specs, target, RunLimits(max_concurrency=level, label=f"c={level}")))
+    cpu_s = {"server": process_cpu_s(server_pid) - server_cpu, "client": time.process_time() - client_cpu}
     if summary["failed"]:
         raise BenchError(f"{summary['failed']} requests failed at concurrency {level}: {summary['errors']}")
-    return {"concurrency": level, **{k: v for k, v in summary.items() if k != "per_adapter"}}
+    return {"concurrency": level, **{k: v for k, v in summary.items() if k != "per_adapter"}, "cpu_s": cpu_s}
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far, every thread (/proc/PID/stat); NaN without /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: the stat's 14th, 15th
+
+
+def paired_figures(pairs: list[tuple[dict, dict]]) -> dict:
+    """Each top-concurrency server run against the offline run just before it: throughputs, their ratio's median,
+    and the medians of CPU milliseconds per output token (offline engine, server, client)."""
+    offline_tok_s = [alone["output_tokens"] / alone["walls_s"][0] for alone, _ in pairs]
+    server_tok_s = [served["output_throughput"] for _, served in pairs]
+
+    def per_token(cpu_s: float, tokens: int) -> float:
+        return 1e3 * cpu_s / tokens
+
+    return {
+        "offline_tok_s": offline_tok_s,
+        "server_tok_s": server_tok_s,
+        "server_over_offline": statistics.median(s / o for o, s in zip(offline_tok_s, server_tok_s)),
+        "offline_cpu_ms_per_token": statistics.median(per_token(a["cpu_s"][0], a["output_tokens"]) for a, _ in pairs),
+        "server_cpu_ms_per_token": statistics.median(
+            per_token(s["cpu_s"]["server"], s["total_output_tokens"]) for _, s in pairs
+        ),
+        "client_cpu_ms_per_token": statistics.median(
+            per_token(s["cpu_s"]["client"], s["total_output_tokens"]) for _, s in pairs
+        ),
+    }
 
 
 def spec(index: int, prompt_ids: list[int], model: str, output_len: int) -> RequestSpec:
@@ -152,7 +186,7 @@ def run_offline(workload_file: Path, threads: int, with_lora: bool) -> dict:
     command = [sys.executable, "-m", "bench.offline_driver", "--workload", str(workload_file)]
     command += ["--threads", str(threads)] + ([] if with_lora else ["--no-lora"])
     result = run_driver(command, dict(os.environ), "loraplex offline", "lora" if with_lora else "base")
-    return {k: result[k] for k in ("output_tokens", "walls_s")}
+    return {k: result[k] for k in ("output_tokens", "walls_s", "cpu_s")}
 
 
 def both_sides(before: dict, after: dict) -> dict:
@@ -179,6 +213,10 @@ def print_table(result: dict) -> None:
     paired = result["paired"]
     pairs = ", ".join(f"{s:.1f}/{o:.1f}" for o, s in zip(paired["offline_tok_s"], paired["server_tok_s"]))
     print(f"each run after an offline run of its own: {paired['server_over_offline']:.2f} (server/offline: {pairs})")
+    offline_ms, server_ms = paired["offline_cpu_ms_per_token"], paired["server_cpu_ms_per_token"]
+    client_ms = paired["client_cpu_ms_per_token"]
+    print(f"CPU per output token (medians of those pairs): offline engine {offline_ms:.2f} ms, server "
+          f"{server_ms:.2f} ms ({server_ms / offline_ms - 1:+.0%}), client {client_ms:.2f} ms")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -43,24 +43,26 @@ def main(argv: list[str] | None = None) -> dict:
     output_len = workload["output_len"]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
 
-    def run(requests) -> tuple[float, int]:
+    def run(requests) -> tuple[float, float, int]:
         prompts = [ids for ids, _ in requests]
         lora = [adapters[a] for _, a in requests] if use_lora else None
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params, lora_request=lora)
-        elapsed = time.perf_counter() - start
-        return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        return elapsed, cpu, sum(len(o.outputs[0].token_ids) for o in outputs)
 
     run(workload["warmup"])
-    walls, tokens = [], 0
+    walls, cpus, tokens = [], [], 0
     for requests in workload["runs"]:
-        elapsed, tokens = run(requests)
+        elapsed, cpu, tokens = run(requests)
         walls.append(elapsed)
+        cpus.append(cpu)
     result = {
         "system": "loraplex",
         "mode": "lora" if use_lora else "base",
         "threads": llm.engine.config.cpu_threads,
         "walls_s": walls,
+        "cpu_s": cpus,  # each run's CPU time, every thread of this process (user + system)
         "output_tokens": tokens,
     }
     print(json.dumps(result), flush=True)

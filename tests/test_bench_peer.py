@@ -61,6 +61,7 @@ def test_fewer_rows_than_adapters_and_the_dtype_reach_both_drivers(model, tmp_pa
     assert (body["max_loras"], body["max_cpu_loras"], body["dtype"]) == (1, 2, "bfloat16")
     result = offline_driver.main(["--workload", str(workload_file), "--threads", "1"])
     assert result["output_tokens"] == 5 * 4
+    assert len(result["cpu_s"]) == len(result["walls_s"]) == 1 and result["cpu_s"][0] > 0
     log = tmp_path / "vllm.log"
     env = {**os.environ, "PYTHONPATH": str(FAKE_VLLM), "FAKE_VLLM_LOG": str(log)}
     command = [sys.executable, str(REPO / "bench" / "vllm_driver.py"), "--workload", str(workload_file)]
@@ -184,6 +185,10 @@ def test_latency_runs_the_server_and_the_offline_engine_on_the_same_requests(mod
     assert result["offline"]["output_tok_s"] > 0 and len(result["offline"]["walls_s"]) == 4  # 2 runs before, 2 after
     expected = result["runs"][-1]["output_throughput"] / result["offline"]["output_tok_s"]
     assert result["server_over_offline"] == pytest.approx(expected)
+    assert all(run["cpu_s"]["server"] > 0 and run["cpu_s"]["client"] > 0 for run in result["runs"])
+    paired = result["paired"]  # CPU per output token: the server's and the client's, against the offline engine's
+    assert len(paired["server_tok_s"]) == 2 and paired["server_over_offline"] > 0
+    assert all(paired[f"{side}_cpu_ms_per_token"] > 0 for side in ("offline", "server", "client"))
     assert json.loads((tmp_path / "latency.json").read_text())["runs"][0]["concurrency"] == 1
     assert (tmp_path / "latency_vs_concurrency.png").stat().st_size > 0
 
