@@ -102,9 +102,8 @@ class DecodeGraphs:
         )
         lora = None
         if with_lora:
-            rows = self.num_lora_rows
-            seg_indptr = self.lens[self.max_batch : self.max_batch + rows + 1]  # [rows + 1]
-            tiles = self._tile_table(self.lens)[:, : graph_tiles(size, rows)]  # [2, W(size)]
+            seg_indptr, tiles = self._lora_views(self.lens)
+            tiles = tiles[:, : graph_tiles(size, self.num_lora_rows)]  # [2, W(size)]: what this bucket can need
             lora = LoraMeta.over_rows(adapter_idx, sorted_idx, seg_indptr, self.seg_adapter_idx, tiles)
         return self.model(input_ids, positions, StepMeta(attn, lora))
 
@@ -168,14 +167,16 @@ class DecodeGraphs:
             order = np.argsort(np.where(rows >= 0, rows, self.num_lora_rows), kind="stable")
             counts = np.bincount(rows[rows >= 0], minlength=self.num_lora_rows)
             ids[4, : counts.sum()] = order[: counts.sum()]
-            seg_indptr = lens[self.max_batch : self.max_batch + self.num_lora_rows + 1]
+            seg_indptr, tiles = (view.numpy() for view in self._lora_views(self.host_lens))
             seg_indptr[0] = 0
             np.cumsum(counts, out=seg_indptr[1:])
-            fill_tile_table(self._tile_table(self.host_lens).numpy(), seg_indptr)
+            fill_tile_table(tiles, seg_indptr)
 
-    def _tile_table(self, lens: torch.Tensor) -> torch.Tensor:
-        """The [2, W] tile table's view in lens (the host staging buffer or its device copy)."""
-        return lens[self.max_batch + self.num_lora_rows + 1 :].view(2, self.tile_width)
+    def _lora_views(self, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The LoRA part of lens (the host staging buffer or its device copy), after the seqs' context lengths: the
+        segment bounds [rows + 1] (segment a = row a) and the tile table [2, W]."""
+        tables_at = self.max_batch + self.num_lora_rows + 1
+        return lens[self.max_batch : tables_at], lens[tables_at:].view(2, self.tile_width)
 
     def _copy(self, size: int | None = None, num_blocks: int | None = None) -> None:
         """The staging buffers to the device: the ids and lengths whole, the block tables' first `num_blocks`
