@@ -371,13 +371,13 @@ def engine_rows(device, dtype_name: str, smoke: bool, profile: bool, out_dir: Pa
                                    num_prompts, rank) for mode in modes}  # fmt: skip
             gen = torch.Generator().manual_seed(1)
             params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+            loras = [adapters[i % len(adapters)] for i in range(num_prompts)]  # the LoRA modes' requests
             walls: dict[str, list[float]] = {mode: [] for mode in modes}
             runs = 6 if num_prompts * input_len <= 8192 else 3  # small runs are short and noisy: more of them
             for run in range(1 + runs):  # the first warms up (compiles the kernels)
                 prompts = torch.randint(10, config["vocab_size"], (num_prompts, input_len), generator=gen).tolist()
                 for mode, llm in llms.items():
-                    lora = [adapters[i % len(adapters)] for i in range(num_prompts)] if "lora" in mode else None
-                    wall = timed_generate(llm, prompts, params, lora, device)
+                    wall = timed_generate(llm, prompts, params, loras if "lora" in mode else None, device)
                     if run:
                         walls[mode].append(wall)
             for mode in modes:
@@ -385,7 +385,7 @@ def engine_rows(device, dtype_name: str, smoke: bool, profile: bool, out_dir: Pa
                 print(f"engine {name} {mode}: {row[mode]['tok_s']:.0f} tok/s "
                       f"(runs {', '.join(f'{w:.3f}' for w in walls[mode])} s)", flush=True)  # fmt: skip
                 if profile:
-                    lora = [adapters[i % len(adapters)] for i in range(num_prompts)] if "lora" in mode else None
+                    lora = loras if "lora" in mode else None
                     profile_to = out_dir / f"profile-{len(rows)}-{mode}.txt"
                     row[mode]["profile"] = profile_run(llms[mode], prompts, params, lora, device, profile_to)
             row["lora_over_base"] = paired_ratio(walls["lora"], walls["base"])
