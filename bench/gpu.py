@@ -373,23 +373,30 @@ def engine_rows(device, dtype_name: str, smoke: bool, profile: bool, out_dir: Pa
             params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
             loras = [adapters[i % len(adapters)] for i in range(num_prompts)]  # the LoRA modes' requests
             walls: dict[str, list[float]] = {mode: [] for mode in modes}
+            step_walls: dict[str, dict[str, list[float]]] = {mode: {} for mode in modes}  # mode -> kind -> runs
             runs = 6 if num_prompts * input_len <= 8192 else 3  # small runs are short and noisy: more of them
             for run in range(1 + runs):  # the first warms up (compiles the kernels)
                 prompts = torch.randint(10, config["vocab_size"], (num_prompts, input_len), generator=gen).tolist()
                 for mode, llm in llms.items():
-                    wall = timed_generate(llm, prompts, params, loras if "lora" in mode else None, device)
+                    steps = step_walls[mode] if run else None
+                    wall = timed_generate(llm, prompts, params, loras if "lora" in mode else None, device, steps)
                     if run:
                         walls[mode].append(wall)
             for mode in modes:
-                row[mode] = {"walls_s": walls[mode], "tok_s": num_prompts * output_len / statistics.median(walls[mode])}
+                steps_s = {kind: statistics.median(runs) for kind, runs in step_walls[mode].items()}
+                row[mode] = {"walls_s": walls[mode], "tok_s": num_prompts * output_len / statistics.median(walls[mode]),
+                             "steps_s": steps_s}  # fmt: skip
                 print(f"engine {name} {mode}: {row[mode]['tok_s']:.0f} tok/s "
-                      f"(runs {', '.join(f'{w:.3f}' for w in walls[mode])} s)", flush=True)  # fmt: skip
+                      f"(runs {', '.join(f'{w:.3f}' for w in walls[mode])} s; median s in steps: "
+                      f"{', '.join(f'{kind} {s:.3f}' for kind, s in steps_s.items())})", flush=True)  # fmt: skip
                 if profile:
                     lora = loras if "lora" in mode else None
                     profile_to = out_dir / f"profile-{len(rows)}-{mode}.txt"
                     row[mode]["profile"] = profile_run(llms[mode], prompts, params, lora, device, profile_to)
             row["lora_over_base"] = paired_ratio(walls["lora"], walls["base"])
-            print(f"engine {name}: LoRA / base {row['lora_over_base']:.2f} (median of paired runs)", flush=True)
+            row["lora_extra_s"] = extra = lora_extra_seconds(walls, step_walls)
+            print(f"engine {name}: LoRA / base {row['lora_over_base']:.2f} (median of paired runs); LoRA's extra "
+                  f"seconds a run: {', '.join(f'{k} {s:+.4f}' for k, s in extra.items())}", flush=True)  # fmt: skip
             if eager:
                 row["eager_lora_over_base"] = paired_ratio(walls["lora-eager"], walls["base-eager"])
                 print(f"engine {name}: eager LoRA / base {row['eager_lora_over_base']:.2f}; graphs / eager: base "
@@ -405,6 +412,21 @@ def engine_rows(device, dtype_name: str, smoke: bool, profile: bool, out_dir: Pa
 def paired_ratio(walls: list[float], other_walls: list[float]) -> float:
     """The throughput of one mode over another's: the median of each interleaved pair of runs' ratio."""
     return statistics.median(other / wall for wall, other in zip(walls, other_walls, strict=True))
+
+
+def lora_extra_seconds(walls: dict[str, list[float]], step_walls: dict[str, dict[str, list[float]]]) -> dict:
+    """What a LoRA run spends beyond its paired base run, in each kind of step and outside the steps (admitting
+    the requests, ending the generate): the medians of the pairs' differences."""
+    extra = {}
+    for kind in STEP_KINDS:
+        lora, base = step_walls["lora"][kind], step_walls["base"][kind]
+        extra[f"{kind} steps"] = statistics.median(a - b for a, b in zip(lora, base, strict=True))
+
+    def outside(mode: str) -> list[float]:
+        return [wall - sum(runs) for wall, *runs in zip(walls[mode], *step_walls[mode].values(), strict=True)]
+
+    extra["outside steps"] = statistics.median(a - b for a, b in zip(outside("lora"), outside("base"), strict=True))
+    return extra
 
 
 def write_model(directory: Path, config: dict, num_adapters: int, rank: int) -> tuple[Path, list]:
@@ -435,16 +457,49 @@ def make_llm(model_dir, num_adapters, device, dtype_name, mode, max_model_len, n
     )
 
 
-def timed_generate(llm, prompts, params, lora, device) -> float:
-    """Seconds for one offline generate of `prompts`, the device's queue drained before and after."""
+def timed_generate(llm, prompts, params, lora, device, steps: dict[str, list[float]] | None = None) -> float:
+    """Seconds for one offline generate of `prompts`, the device's queue drained before and after; `steps` (kind
+    -> seconds) gets each engine step's seconds added, by `step_kind`."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+    with step_times(llm.engine, steps if steps is not None else {}):
+        outputs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     assert all(len(o.outputs[0].token_ids) == params.max_tokens for o in outputs)
     return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def step_times(engine, totals: dict[str, list[float]]) -> Iterator[None]:
+    """While inside, times every step of `engine` (each ends with its sampled tokens on the host, so its wall
+    holds its device time) and adds it to totals[kind]: one entry per generate, the sum of its steps' seconds."""
+    run = {kind: 0.0 for kind in STEP_KINDS}
+    step = engine.step
+
+    def timed_step():
+        steps_before, start = engine.stats.num_steps, time.perf_counter()
+        outputs = step()
+        if engine.stats.num_steps != steps_before:  # it ran a batch
+            run[step_kind(engine.step_trace[-1].scheduled)] += time.perf_counter() - start
+        return outputs
+
+    engine.step = timed_step
+    try:
+        yield
+    finally:
+        del engine.step  # the class's method again
+        for kind, seconds in run.items():
+            totals.setdefault(kind, []).append(seconds)
+
+
+STEP_KINDS = ("prefill", "decode")
+
+
+def step_kind(scheduled: list[tuple[str, int]]) -> str:
+    """A step of one new token per seq is "decode" (the CUDA graphs' steps), any other "prefill" (prompt tokens)."""
+    return "decode" if all(n == 1 for _, n in scheduled) else "prefill"
 
 
 def profile_run(llm, prompts, params, lora, device, path: Path) -> dict:

@@ -39,6 +39,15 @@ def test_smoke_run_of_the_engine_section_pairs_interleaved_runs(tmp_path, monkey
     base, lora = row["base"]["walls_s"], row["lora"]["walls_s"]
     assert len(base) == len(lora) == 6
     assert row["lora_over_base"] == gpu.paired_ratio(lora, base) > 0
+    for mode, walls in (("base", base), ("lora", lora)):  # every run's steps timed, within its wall, by kind
+        steps = row[mode]["steps_s"]
+        assert set(steps) == {"prefill", "decode"} and 0 < steps["prefill"] + steps["decode"] < max(walls)
+    assert set(row["lora_extra_s"]) == {"prefill steps", "decode steps", "outside steps"}
+
+
+def test_step_kind_tells_decode_steps_from_steps_with_prompt_tokens():
+    assert gpu.step_kind([("a", 1), ("b", 1)]) == "decode"
+    assert gpu.step_kind([("a", 16), ("b", 1)]) == "prefill"
 
 
 def test_paired_ratio_is_the_median_of_each_pairs_ratio():
