@@ -228,7 +228,8 @@ class ModelRunner:
 
     def _lora_meta(self, token_adapter_idx: list[int]) -> LoraMeta:
         cache = self.adapter_cache
-        return LoraMeta.build(token_adapter_idx, self.device, cache.row_ranks, cache.max_lora_rank)
+        torch_layouts = self.config.lora_backend != "triton"  # the C++ ops fall back to the torch ops on fp16
+        return LoraMeta.build(token_adapter_idx, self.device, cache.row_ranks, cache.max_lora_rank, 0, torch_layouts)
 
     def _query_meta(self, context_lens: list[int], block_tables: list[list[int]]) -> PagedAttentionMeta:
         """One query per sequence, its last token, over its whole context as the step leaves it (stores nothing)."""

@@ -6,12 +6,14 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor
 
 from kernels.lora import LoraMeta, add_lora, get_lora_ops
 from kernels.lora import torch_ops as torch_module
+from kernels.lora.host_pack import TORCH_DTYPES, HostPack
 from kernels.lora.meta import GRAPH_TILE_TOKENS, NO_TILE, fill_tile_table, graph_tiles, tile_table
 
 torch_ops = get_lora_ops("torch")
@@ -262,6 +264,43 @@ def test_meta_groups_tokens_by_adapter():
         assert not meta.has_lora and meta.active_adapters == [] and meta.sorted_token_idx.numel() == 0
     with pytest.raises(ValueError, match="-1 for no adapter"):
         LoraMeta.build([0, -2], "cpu")
+
+
+def test_meta_without_torch_layouts_holds_the_same_kernel_inputs():
+    idx = [2, -1, 0, 2, 0, 5]
+    full, lean = LoraMeta.build(idx, "cpu"), LoraMeta.build(idx, "cpu", torch_layouts=False)
+    assert lean.run_starts is None and lean.padded_token_idx is None and lean.padded_is_pad is None
+    for field in ("token_adapter_idx", "sorted_token_idx", "seg_indptr", "seg_adapter_idx", "tile_table"):
+        assert torch.equal(getattr(full, field), getattr(lean, field)), field
+    for field in ("active_adapters", "seg_starts", "seg_ends", "max_seg_len", "tile_tokens"):
+        assert getattr(full, field) == getattr(lean, field), field
+
+
+def test_host_pack_moves_mixed_arrays_in_one_buffer():
+    arrays = {
+        "a": np.arange(5, dtype=np.int64) - 2,
+        "b": np.array([[7, -1, 3]], dtype=np.int32),  # 12 bytes: the next array starts aligned at 64
+        "c": np.array([[True], [False]]),
+        "empty": np.zeros((2, 0), dtype=np.int32),
+        "d": np.array([1 << 40], dtype=np.int64),
+    }
+    pack = HostPack(arrays)
+    assert pack.offsets == {"a": 0, "b": 48, "c": 64, "empty": 80, "d": 80} and pack.nbytes == 96
+    out = pack.to("cpu")
+    for name, array in arrays.items():
+        assert out[name].dtype == TORCH_DTYPES[array.dtype] and out[name].shape == array.shape
+        assert np.array_equal(out[name].numpy(), array), name
+    assert out["a"].untyped_storage().data_ptr() == out["d"].untyped_storage().data_ptr()  # one buffer
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_host_pack_on_cuda_matches_the_host_arrays():
+    arrays = {"a": np.arange(1000, dtype=np.int64), "b": np.arange(7, dtype=np.int32), "c": np.ones(3, dtype=bool)}
+    for _ in range(3):  # the page-locked buffers are recycled: each step's copy must still be its own
+        out = HostPack(arrays).to("cuda")
+        arrays = {name: array[::-1].copy() for name, array in arrays.items()}
+        for name, tensor in out.items():
+            assert tensor.is_cuda and np.array_equal(tensor.cpu().numpy(), arrays[name][::-1]), name
 
 
 @pytest.mark.parametrize("tile_tokens", [0, 16, 64])

@@ -9,11 +9,13 @@ precomputes the two layouts the torch path may use without a gather (tokens alre
 batch (many small segments), so that a layer builds no index.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from .host_pack import HostPack
 
 NO_ADAPTER = -1
 # The padded layout is built only while padding at most doubles the rows: beyond that, padding costs more work
@@ -51,6 +53,13 @@ class LoraMeta:
     # of tile j (NO_TILE: none, the program exits), tile_table[1, j] = its first position in sorted_token_idx
     tile_tokens: int = MIN_TILE_TOKENS
     tile_table: Tensor | None = None  # [2, W] int32 on device; W = the launch's tiles
+    # its two rows as views [W], made once per step rather than at each launch
+    tile_seg: Tensor | None = field(init=False, default=None)
+    tile_start: Tensor | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.tile_table is not None:
+            self.tile_seg, self.tile_start = self.tile_table.unbind(0)
 
     @property
     def num_active(self) -> int:
@@ -64,46 +73,57 @@ class LoraMeta:
         row_ranks: Tensor | None = None,
         max_rank: int = 0,
         tile_tokens: int = 0,
+        torch_layouts: bool = True,
     ) -> "LoraMeta":
-        """`tile_tokens`: the Triton tiles' tokens (0: from the longest segment)."""
-        idx = torch.as_tensor(token_adapter_idx, dtype=torch.int64).cpu().view(-1)  # [T]
-        if idx.numel() and int(idx.min()) < NO_ADAPTER:
-            raise ValueError(f"token_adapter_idx holds {int(idx.min())}; rows are >= 0, or -1 for no adapter")
-        lora_tokens = (idx >= 0).nonzero().squeeze(1)  # [L]
-        sorted_rows, order = idx[lora_tokens].sort(stable=True)
-        sorted_token_idx = lora_tokens[order]  # [L]
-        active, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
-        seg_lens = counts.tolist()
-        seg_indptr = [0, *torch.cumsum(counts, 0).tolist()]
-        max_seg_len = max(seg_lens, default=0)
+        """`tile_tokens`: the Triton tiles' tokens (0: from the longest segment). `torch_layouts`: also the torch
+        path's layouts (run_starts, the padded layout); the Triton and CPU kernels read neither. Built with numpy
+        (a torch CPU op costs several µs of dispatch, a step's meta took ~0.5 ms of host time for 2048 tokens) and
+        moved to the device in one copy (HostPack)."""
+        if isinstance(token_adapter_idx, Tensor):
+            token_adapter_idx = token_adapter_idx.cpu().numpy()
+        idx = np.asarray(token_adapter_idx, dtype=np.int64).reshape(-1)  # [T]
+        if idx.size and idx.min() < NO_ADAPTER:
+            raise ValueError(f"token_adapter_idx holds {idx.min()}; rows are >= 0, or -1 for no adapter")
+        lora_tokens = np.flatnonzero(idx >= 0)  # [L]
+        sorted_token_idx = lora_tokens[np.argsort(idx[lora_tokens], kind="stable")]  # [L]
+        active, counts = np.unique(idx[sorted_token_idx], return_counts=True)  # [A], [A]
+        seg_indptr = np.zeros(len(counts) + 1, dtype=np.int64)  # [A+1]
+        np.cumsum(counts, out=seg_indptr[1:])
+        max_seg_len = int(counts.max(initial=0))
         tile_tokens = tile_tokens or tile_tokens_for(max_seg_len)
-
-        def dev(x: list[int] | Tensor, dtype: torch.dtype = torch.int64) -> Tensor:
-            return torch.as_tensor(x, dtype=dtype).to(device=device, non_blocking=True)
-
-        padded_token_idx = padded_rows = padded_is_pad = None
-        if len(seg_lens) > 1 and len(seg_lens) * max_seg_len <= MAX_PADDED_ROWS_PER_TOKEN * len(sorted_token_idx):
-            padded = _padded_layout(sorted_token_idx, seg_indptr, max_seg_len)
-            padded_token_idx, padded_rows, padded_is_pad = dev(padded[0]), dev(padded[1]), dev(padded[2], torch.bool)
+        arrays = {
+            "token_adapter_idx": idx,
+            "sorted_token_idx": sorted_token_idx,
+            "seg_adapter_idx": active,
+            "seg_indptr": seg_indptr.astype(np.int32),
+            "tile_table": tile_table(seg_indptr, tile_tokens),
+        }
+        run_starts = None
+        if torch_layouts:
+            run_starts = _run_starts(idx, sorted_token_idx, seg_indptr)
+            if len(counts) > 1 and len(counts) * max_seg_len <= MAX_PADDED_ROWS_PER_TOKEN * len(sorted_token_idx):
+                padded = _padded_layout(sorted_token_idx, seg_indptr, max_seg_len)
+                arrays.update(zip(("padded_token_idx", "padded_rows", "padded_is_pad"), padded, strict=True))
+        on_device = HostPack(arrays).to(device)
         return cls(
-            token_adapter_idx=dev(idx),
+            token_adapter_idx=on_device["token_adapter_idx"],
             num_tokens=idx.shape[0],
-            has_lora=bool(seg_lens),
+            has_lora=bool(len(counts)),
             active_adapters=active.tolist(),
-            sorted_token_idx=dev(sorted_token_idx),
-            seg_starts=seg_indptr[:-1],
-            seg_ends=seg_indptr[1:],
+            sorted_token_idx=on_device["sorted_token_idx"],
+            seg_starts=seg_indptr[:-1].tolist(),
+            seg_ends=seg_indptr[1:].tolist(),
             max_seg_len=max_seg_len,
-            seg_indptr=dev(seg_indptr, torch.int32),
-            seg_adapter_idx=dev(active),
-            run_starts=_run_starts(idx, sorted_token_idx, seg_indptr),
-            padded_token_idx=padded_token_idx,
-            padded_rows=padded_rows,
-            padded_is_pad=padded_is_pad,
+            seg_indptr=on_device["seg_indptr"],
+            seg_adapter_idx=on_device["seg_adapter_idx"],
+            run_starts=run_starts,
+            padded_token_idx=on_device.get("padded_token_idx"),
+            padded_rows=on_device.get("padded_rows"),
+            padded_is_pad=on_device.get("padded_is_pad"),
             row_ranks=row_ranks,
             max_rank=max_rank,
             tile_tokens=tile_tokens,
-            tile_table=dev(torch.from_numpy(tile_table(seg_indptr, tile_tokens)), torch.int32),
+            tile_table=on_device["tile_table"],
         )
 
     @classmethod
@@ -185,24 +205,25 @@ def fill_tile_table(out: np.ndarray, seg_indptr: np.ndarray) -> None:
     out[0, tiles.shape[1] :] = NO_TILE
 
 
-def _run_starts(idx: Tensor, sorted_token_idx: Tensor, seg_indptr: list[int]) -> list[int] | None:
+def _run_starts(idx: np.ndarray, sorted_token_idx: np.ndarray, seg_indptr: np.ndarray) -> list[int] | None:
     """Each segment's first token when every row's tokens are one run of consecutive tokens; else None."""
     changes = idx[1:] != idx[:-1]  # [T-1]
-    num_runs = int((changes & (idx[1:] >= 0)).sum()) + int(idx.numel() > 0 and idx[0] >= 0)
+    num_runs = int((changes & (idx[1:] >= 0)).sum()) + int(idx.size > 0 and idx[0] >= 0)
     if num_runs != len(seg_indptr) - 1:
         return None
     return sorted_token_idx[seg_indptr[:-1]].tolist()
 
 
-def _padded_layout(sorted_token_idx: Tensor, seg_indptr: list[int], max_seg_len: int) -> tuple[Tensor, Tensor, Tensor]:
+def _padded_layout(
+    sorted_token_idx: np.ndarray, seg_indptr: np.ndarray, max_seg_len: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Segment a's tokens at rows a * max_seg_len + [0, seg_len), the rest repeating its last token:
     (padded_token_idx [A * M], padded_rows [L], padded_is_pad [A * M, 1])."""
-    starts = torch.tensor(seg_indptr[:-1])  # [A]
-    lens = torch.tensor(seg_indptr[1:]) - starts  # [A]
-    within = torch.arange(max_seg_len)  # [M]
-    src = starts[:, None] + torch.minimum(within[None, :], lens[:, None] - 1)  # [A, M] positions in sorted order
-    is_token = (within[None, :] < lens[:, None]).view(-1)  # [A * M]
-    return sorted_token_idx[src.view(-1)], is_token.nonzero().squeeze(1), ~is_token[:, None]
+    starts, lens = seg_indptr[:-1], np.diff(seg_indptr)  # [A], [A]
+    within = np.arange(max_seg_len)  # [M]
+    src = starts[:, None] + np.minimum(within[None, :], lens[:, None] - 1)  # [A, M] positions in sorted order
+    is_token = (within[None, :] < lens[:, None]).reshape(-1)  # [A * M]
+    return sorted_token_idx[src.reshape(-1)], np.flatnonzero(is_token), ~is_token[:, None]
 
 
 def check_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta) -> None:
