@@ -201,15 +201,18 @@ def attention_rows(device, dtype, shapes, copy_rate: float, sweep: bool, sweep_p
 def attention_sweep(q, k_cache, v_cache, meta, scale, nbytes, device) -> list[dict]:
     """Decode attention under each (key tile, warps, stages, partition), fastest first."""
     from kernels.paged_attention import triton_ops
+    from kernels.triton_launch import FastLaunch
 
     results = []
     for key_tile in (32, 64, 128):
         for warps, stages in SWEEP_LAUNCHES:
+            launch = {"num_warps": warps, "num_stages": stages}
+            kernels = {"_decode": FastLaunch(triton_ops._decode_kernel, **launch),
+                       "_decode_split": FastLaunch(triton_ops._decode_split_kernel, **launch)}  # fmt: skip
             for partition in (None, 512, 1024):
                 if partition is not None and partition >= meta.max_decode_context_len:
                     continue
-                launch = {"num_warps": warps, "num_stages": stages}
-                with patched(triton_ops, KEY_TILE=key_tile, DECODE_LAUNCH=launch, DECODE_PARTITION=partition):
+                with patched(triton_ops, KEY_TILE=key_tile, DECODE_PARTITION=partition, **kernels):
                     try:
                         ms = time_ms(partial(triton_ops.attention, q, k_cache, v_cache, meta, scale), device, SWEEP_REP)
                     except Exception as e:  # a setting the compiler refuses (shared memory)
@@ -323,18 +326,21 @@ def lora_rows(device, dtype, shapes, copy_rate: float, sweep: bool) -> list[dict
 
 def lora_sweep(x, lora_a, lora_b, y, z, meta, slices, nbytes, device) -> dict[str, list[dict]]:
     from kernels.lora import triton_ops
+    from kernels.triton_launch import FastLaunch
 
     results: dict[str, list[dict]] = {"shrink": [], "expand": []}
     for warps, stages in SWEEP_LAUNCHES:
         launch = {"num_warps": warps, "num_stages": stages}
+        shrink = FastLaunch(triton_ops._shrink_kernel, **launch)
+        expand = FastLaunch(triton_ops._expand_kernel, **launch)
         for block_n in (32, 64, 128):
             for block_k in (64, 128, 256):
-                settings = {"SHRINK_BLOCK_N": block_n, "SHRINK_BLOCK_K": block_k, "SHRINK_LAUNCH": launch}
+                settings = {"SHRINK_BLOCK_N": block_n, "SHRINK_BLOCK_K": block_k, "_shrink": shrink}
                 with patched(triton_ops, **settings):
                     ms = time_ms(partial(triton_ops.lora_shrink, z, x, lora_a, meta), device, SWEEP_REP)
                 results["shrink"].append({"block_n": block_n, "block_k": block_k, **launch, "ms": ms})
         for block_n in (64, 128, 256):  # the expand's K is the rank: one step of up to 64
-            settings = {"EXPAND_BLOCK_N": block_n, "EXPAND_LAUNCH": launch}
+            settings = {"EXPAND_BLOCK_N": block_n, "_expand": expand}
             with patched(triton_ops, **settings):
                 ms = time_ms(partial(triton_ops.lora_expand, y, z, lora_b, meta, slices), device, SWEEP_REP)
             results["expand"].append({"block_n": block_n, **launch, "ms": ms})

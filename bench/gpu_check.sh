@@ -17,7 +17,7 @@ $python -c "import torch, triton, transformers, peft; print('torch', torch.__ver
 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$out/device.txt"
 timeout "${TEST_TIMEOUT:-300}" $python -m pytest -q -p no:cacheprovider -o addopts="-ra" \
   tests/test_paged_attention.py tests/test_lora_kernels.py tests/test_oracle.py tests/test_lora_oracle.py \
-  tests/test_decode_graphs.py \
+  tests/test_decode_graphs.py tests/test_triton_launch.py \
   -k "triton or cuda" 2>&1 | tee "$out/tests.log"
 tests=$?
 timeout "${BENCH_TIMEOUT:-330}" $python -m bench.gpu --json "$out/gpu.json" "$@" 2>&1 | tee "$out/bench.log"

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..triton_launch import FastLaunch
 from .compose import compose_add_lora
 from .meta import LoraMeta, check_expand, check_shrink
 
@@ -40,13 +41,12 @@ def lora_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta) -> None:
     _check_dtypes(x, lora_a)
     width = out.shape[1]
     block_n = max(MIN_DOT, min(SHRINK_BLOCK_N, triton.next_power_of_2(width)))
-    tiles = meta.tile_table
-    grid = (tiles.shape[1], triton.cdiv(width, block_n))
-    _shrink_kernel[grid](
-        out, x, lora_a, meta.sorted_token_idx, meta.seg_indptr, meta.seg_adapter_idx, tiles[0], tiles[1],
+    _shrink(
+        (meta.tile_seg.shape[0], -(-width // block_n)),
+        out, x, lora_a, meta.sorted_token_idx, meta.seg_indptr, meta.seg_adapter_idx, meta.tile_seg, meta.tile_start,
         x.shape[1], width,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        meta.tile_tokens, block_n, max(MIN_DOT, SHRINK_BLOCK_K * 2 // x.element_size()), _precision(x), **SHRINK_LAUNCH,
+        meta.tile_tokens, block_n, max(MIN_DOT, SHRINK_BLOCK_K * 2 // x.element_size()), _precision(x),
     )  # fmt: skip
 
 
@@ -59,15 +59,14 @@ def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_sli
     check_expand(y, z, lora_b, meta, output_slices)
     _check_dtypes(z, lora_b)
     rank = lora_b.shape[2]
-    block_k = max(MIN_DOT, min(MAX_EXPAND_BLOCK_K, triton.next_power_of_2(rank)))
-    tiles = meta.tile_table
-    col_tiles = triton.cdiv(max(output_slices), EXPAND_BLOCK_N)
-    grid = (tiles.shape[1], len(output_slices) * col_tiles)
-    _expand_kernel[grid](
-        y, z, lora_b, meta.sorted_token_idx, meta.seg_indptr, meta.seg_adapter_idx, tiles[0], tiles[1],
+    col_tiles = -(-max(output_slices) // EXPAND_BLOCK_N)
+    _expand(
+        (meta.tile_seg.shape[0], len(output_slices) * col_tiles),
+        y, z, lora_b, meta.sorted_token_idx, meta.seg_indptr, meta.seg_adapter_idx, meta.tile_seg, meta.tile_start,
         _slice_bounds(output_slices, y.device), rank, col_tiles,
         y.stride(0), y.stride(1), z.stride(0), z.stride(1), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-        meta.tile_tokens, EXPAND_BLOCK_N, block_k, _precision(z), **EXPAND_LAUNCH,
+        meta.tile_tokens, EXPAND_BLOCK_N, max(MIN_DOT, min(MAX_EXPAND_BLOCK_K, triton.next_power_of_2(rank))),
+        _precision(z),
     )  # fmt: skip
 
 
@@ -165,4 +164,6 @@ def _expand_kernel(
         tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+_shrink = FastLaunch(_shrink_kernel, **SHRINK_LAUNCH)
+_expand = FastLaunch(_expand_kernel, **EXPAND_LAUNCH)
 add_lora = compose_add_lora(lora_shrink, lora_expand)

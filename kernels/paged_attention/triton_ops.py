@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..triton_launch import FastLaunch
 from .meta import PagedAttentionMeta
 
 PREFILL_BLOCK_M = 64  # query rows per prefill program
@@ -38,11 +39,12 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Paged
     assert k.stride(-1) == 1 and v.stride(-1) == 1, "k and v need a contiguous last dim"
     if num_tokens == 0:
         return
-    _store_kv_kernel[(num_tokens,)](
+    _store_kv(
+        (num_tokens,),
         k, v, k_cache, v_cache, meta.slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
+        num_kv_heads, triton.next_power_of_2(num_kv_heads), head_dim,
     )  # fmt: skip
 
 
@@ -69,7 +71,8 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionM
     if num_prefill:
         tables = meta.prefill_block_tables
         grid = (meta.num_prefill_seqs, triton.cdiv(meta.max_prefill_q_len, PREFILL_BLOCK_M), num_heads)
-        _prefill_kernel[grid](
+        _prefill(
+            grid,
             out, q, k_cache, v_cache, tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale,
             *strides, tables.stride(0),
             group, head_dim, meta.block_size, block_n, precision, PREFILL_BLOCK_M,
@@ -79,22 +82,25 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionM
         heads_pad = max(MIN_DOT, triton.next_power_of_2(group))
         partition = decode_partition(num_decode * num_kv_heads, meta.max_decode_context_len, block_n, q.device)
         if partition is None:
-            _decode_kernel[(num_decode, num_kv_heads)](
+            _decode(
+                (num_decode, num_kv_heads),
                 out, q, k_cache, v_cache, tables, meta.decode_context_lens, scale, num_prefill,
                 *strides, tables.stride(0),
-                group, head_dim, meta.block_size, block_n, precision, heads_pad, **DECODE_LAUNCH,
+                group, head_dim, meta.block_size, block_n, precision, heads_pad,
             )  # fmt: skip
         else:
             num_parts = triton.cdiv(meta.max_decode_context_len, partition)
             part_acc = torch.empty(num_decode, num_parts, num_heads, head_dim, dtype=torch.float32, device=q.device)
             part_max = torch.empty(num_decode, num_parts, num_heads, dtype=torch.float32, device=q.device)
             part_sum = torch.empty_like(part_max)  # [D, num_parts, Hq]
-            _decode_split_kernel[(num_decode, num_kv_heads, num_parts)](
+            _decode_split(
+                (num_decode, num_kv_heads, num_parts),
                 part_acc, part_max, part_sum, q, k_cache, v_cache, tables, meta.decode_context_lens, scale,
                 num_prefill, partition, q.stride(0), q.stride(1), *strides[4:], tables.stride(0),
-                group, head_dim, meta.block_size, block_n, precision, heads_pad, **DECODE_LAUNCH,
+                group, head_dim, meta.block_size, block_n, precision, heads_pad,
             )  # fmt: skip
-            _decode_merge_kernel[(num_decode, num_heads)](
+            _decode_merge(
+                (num_decode, num_heads),
                 out, part_acc, part_max, part_sum, num_prefill, num_parts, out.stride(0), out.stride(1),
                 head_dim, triton.next_power_of_2(num_parts),
             )  # fmt: skip
@@ -304,3 +310,10 @@ def _decode_merge_kernel(
     out = tl.sum(acc_p * weight[:, None], axis=0) / tl.sum(l_p * weight, axis=0)  # [HEAD_DIM]
     token = (token_offset + seq).to(tl.int64)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+_store_kv = FastLaunch(_store_kv_kernel)
+_prefill = FastLaunch(_prefill_kernel)
+_decode = FastLaunch(_decode_kernel, **DECODE_LAUNCH)
+_decode_split = FastLaunch(_decode_split_kernel, **DECODE_LAUNCH)
+_decode_merge = FastLaunch(_decode_merge_kernel)
