@@ -351,7 +351,9 @@ def lora_sweep(x, lora_a, lora_b, y, z, meta, slices, nbytes, device) -> dict[st
     return results
 
 
-def engine_rows(device, dtype_name: str, smoke: bool, profile: bool, out_dir: Path, eager: bool = False) -> list[dict]:
+def engine_rows(
+    device, dtype_name: str, smoke: bool, profile: bool, out_dir: Path, eager: bool = False, step_tokens=None
+) -> list[dict]:
     """W1 and a bigger random Llama through the offline LLM on the device, base and LoRA (decode steps as CUDA
     graphs; with `eager`, also both with enforce_eager). Each mode's engine is built up front and their runs
     interleave (base, LoRA, base, LoRA...), so that a slow spell of a shared host falls on every mode alike; a
@@ -374,7 +376,9 @@ def engine_rows(device, dtype_name: str, smoke: bool, profile: bool, out_dir: Pa
             row = {"model": name, "config": config, "num_prompts": num_prompts, "input_len": input_len,
                    "output_len": output_len, "adapters": num_adapters, "rank": rank, "dtype": dtype_name}  # fmt: skip
             llms = {mode: make_llm(model_dir, len(adapters), device, dtype_name, mode, input_len + output_len,
-                                   num_prompts, rank) for mode in modes}  # fmt: skip
+                                   num_prompts, rank, step_tokens) for mode in modes}  # fmt: skip
+            row["max_num_batched_tokens"] = llms[modes[0]].engine.config.max_num_batched_tokens
+            print(f"engine {name}: steps of up to {row['max_num_batched_tokens']} tokens", flush=True)
             gen = torch.Generator().manual_seed(1)
             params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
             loras = [adapters[i % len(adapters)] for i in range(num_prompts)]  # the LoRA modes' requests
@@ -443,7 +447,7 @@ def write_model(directory: Path, config: dict, num_adapters: int, rank: int) -> 
     return directory / "base", make_adapters(model, directory, num_adapters, rank)
 
 
-def make_llm(model_dir, num_adapters, device, dtype_name, mode, max_model_len, num_prompts, rank):
+def make_llm(model_dir, num_adapters, device, dtype_name, mode, max_model_len, num_prompts, rank, step_tokens=None):
     from engine.llm import LLM
 
     return LLM(
@@ -452,7 +456,7 @@ def make_llm(model_dir, num_adapters, device, dtype_name, mode, max_model_len, n
         device=str(device),
         max_model_len=max_model_len,
         max_num_seqs=num_prompts,
-        max_num_batched_tokens=max(2048, num_prompts),
+        max_num_batched_tokens=step_tokens,  # None: the engine's default for the device
         enable_prefix_caching=False,
         kv_cache_memory=4 << 30 if device.type == "cuda" else None,  # not 85% of an 80 GB card for a small run
         enable_lora=mode.startswith("lora"),
@@ -550,6 +554,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile", action="store_true", help="also profile one engine run of each model and mode")
     parser.add_argument("--eager", action="store_true", help="also run the engine with enforce_eager (no CUDA graphs)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (implied without a CUDA device)")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, help="the engine section's step budget (default: the engine's)"
+    )
     parser.add_argument("--json", type=Path, default=Path("bench-results/gpu.json"))
     args = parser.parse_args(argv)
     sections = args.sections.split(",")
@@ -581,7 +588,9 @@ def main(argv: list[str] | None = None) -> dict:
         device, dtype, SMOKE_ATTENTION if smoke else ATTENTION_SHAPES, copy_rate, args.sweep, args.sweep_partitions
     ))  # fmt: skip
     section("lora", lambda: lora_rows(device, dtype, SMOKE_LORA if smoke else LORA_SHAPES, copy_rate, args.sweep))
-    section("engine", lambda: engine_rows(device, args.dtype, smoke, args.profile, args.json.parent, args.eager))
+    section("engine", lambda: engine_rows(
+        device, args.dtype, smoke, args.profile, args.json.parent, args.eager, args.max_num_batched_tokens
+    ))  # fmt: skip
     results["failures"] = failures
     args.json.write_text(json.dumps(results, indent=2, default=str))
     print(f"saved {args.json}" + (f"; failed sections: {failures}" if failures else ""), flush=True)

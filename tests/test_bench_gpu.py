@@ -43,6 +43,7 @@ def test_smoke_run_of_the_engine_section_pairs_interleaved_runs(tmp_path, monkey
         steps = row[mode]["steps_s"]
         assert set(steps) == {"prefill", "decode"} and 0 < steps["prefill"] + steps["decode"] < max(walls)
     assert set(row["lora_extra_s"]) == {"prefill steps", "decode steps", "outside steps"}
+    assert row["max_num_batched_tokens"] == 2048  # the engine's default on a CPU
 
 
 def test_step_kind_tells_decode_steps_from_steps_with_prompt_tokens():

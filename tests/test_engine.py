@@ -219,6 +219,19 @@ def test_budget_smaller_than_max_num_seqs_is_refused(model_dir):
         make_llm(model_dir, max_num_seqs=64, max_num_batched_tokens=32)
 
 
+def test_default_step_budget_follows_the_device(model_dir, monkeypatch):
+    assert EngineConfig(model=str(model_dir), device="cpu").max_num_batched_tokens == 2048
+    assert EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=4096).max_num_batched_tokens == 4096
+    assert (
+        EngineConfig(
+            model=str(model_dir), device="cpu", max_num_seqs=8, max_num_batched_tokens=64
+        ).max_num_batched_tokens
+        == 64
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the config only reads the device's name
+    assert EngineConfig(model=str(model_dir), device="cuda").max_num_batched_tokens == 8192
+
+
 def test_logprobs_come_with_each_token(llm):
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3)
     [out] = llm.generate([[5, 6, 7, 8]], params)
