@@ -14,8 +14,10 @@ lora       shrink, expand and add_lora (Triton) on decode shapes (one token per 
 engine     W1 of ../shared/peers (the random 56M Llama, 64 requests of 128 prompt ids, 64 greedy output tokens,
            K=8 rank-8 adapters on all seven modules) through the offline LLM on the device, base and LoRA engines
            side by side, their runs interleaved, and a bigger random Llama (1B-class layers, 8 of them) the same
-           way: output tok/s and LoRA / base (the median of paired runs' ratios). Decode steps replay CUDA graphs,
-           as the engine's default is; --eager also runs both with enforce_eager.
+           way: output tok/s and LoRA / base (the median of paired runs' ratios), and where a LoRA run's extra time
+           goes (its prefill steps, its decode steps, outside them). Decode steps replay CUDA graphs, as the
+           engine's default is; --eager also runs both with enforce_eager; steps take the engine's default budget
+           (8192 tokens on CUDA) unless --max-num-batched-tokens says otherwise.
 
 --sweep also times the kernels under several launch settings (key tile, warps, pipeline stages, split-decode
 partition) and prints the best, to choose the modules' defaults. Kernel times are Triton's do_bench medians

@@ -8,7 +8,8 @@ as it is: what Triton specializes on, or finer) and calls its launcher directly;
 through the JIT, which compiles or finds the kernel and returns it.
 
 The JIT path is kept whenever the direct one does not apply: under Triton's CPU interpreter, with a launch hook
-installed (a profiler such as proton), or when a Triton version's compiled kernel lacks the launcher's inputs.
+installed at the first launch (a profiler such as proton; one installed later sees only new keys' launches), or
+when a Triton version's compiled kernel lacks the launcher's inputs.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ class FastLaunch:
         if not self.direct:
             self.jit_fn[tuple(grid)](*args, **self.launch_options)
             return
-        key = tuple((a.dtype, a.data_ptr() % ALIGN == 0) if isinstance(a, torch.Tensor) else a for a in args)
+        key = (
+            torch.cuda.current_device(),  # a compiled kernel is loaded on one device: Triton launches on the current
+            *((a.dtype, a.data_ptr() % ALIGN == 0) if isinstance(a, torch.Tensor) else a for a in args),
+        )
         kernel = self.compiled.get(key)
         if kernel is None:
             kernel = self.jit_fn[tuple(grid)](*args, **self.launch_options)
@@ -61,6 +65,7 @@ class FastLaunch:
             getattr(kernel, name, None) is not None for name in ("run", "function", "packed_metadata")
         ):
             self.direct = False
-            logger.info("Triton kernel %s launches through the JIT (no direct launcher here)", self.jit_fn.__name__)
+            why = "a launch hook is installed" if hooked else "this Triton's compiled kernel has no launcher to call"
+            logger.info("Triton kernel %s launches through the JIT: %s", self.jit_fn.__name__, why)
             return
         self.compiled[key] = kernel

@@ -43,6 +43,7 @@ class FakeStream:
 def compiled_mode(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: FakeStream())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
 
 def test_second_launch_of_a_key_calls_the_compiled_launcher(compiled_mode):
@@ -56,7 +57,7 @@ def test_second_launch_of_a_key_calls_the_compiled_launcher(compiled_mode):
     assert jit.log[1][1] == (7, 1, 1, 1234, "fn", "meta", None, None, None, x, 5, "ieee")
 
 
-def test_a_new_key_goes_through_the_jit_again(compiled_mode):
+def test_a_new_key_goes_through_the_jit_again(compiled_mode, monkeypatch):
     jit = FakeJit()
     launch = FastLaunch(jit)
     x = torch.zeros(16)
@@ -66,6 +67,9 @@ def test_a_new_key_goes_through_the_jit_again(compiled_mode):
     launch((1,), x[1:], 5)  # an address 4 bytes past a multiple of 16
     launch((1,), x[4:], 5)  # 16 bytes past: the first key again
     assert [entry[0] for entry in jit.log] == ["jit", "jit", "jit", "jit", "direct"]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # a kernel is loaded on one device
+    launch((1,), x, 5)
+    assert jit.log[-1][0] == "jit"
 
 
 def test_jit_kept_under_the_interpreter_or_without_a_launcher(compiled_mode, monkeypatch):
