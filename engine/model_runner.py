@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from adapters.base_spec import BaseModelSpec
@@ -179,30 +180,41 @@ class ModelRunner:
         return num_blocks
 
     def _prepare(self, batch: ScheduledBatch):
+        """The step's flat inputs and metadata. The per-token arrays are filled with numpy, a prompt chunk's at
+        once (a Python loop over an 8192-token step's slots took milliseconds of host time)."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        num_tokens = batch.num_tokens
+        input_ids = np.empty(num_tokens, dtype=np.int64)  # [T]
+        positions = np.empty(num_tokens, dtype=np.int64)  # [T]
+        slots = np.empty(num_tokens, dtype=np.int64)  # [T]
+        token_adapter_idx = np.empty(num_tokens, dtype=np.int64)  # [T]
         last_rows: list[int] = []  # each seq's last token in the flat batch
         sample_rows: list[int] = []  # which seqs sample, as indices into last_rows
-        token_adapter_idx: list[int] = []
         q_lens, context_lens, block_tables = [], [], []
+        at = 0  # the seq's first row in the flat batch
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids.extend(seq.token_ids[start:end])
             table = seq.block_table
-            positions.extend(range(start, end))
-            slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
+            if n == 1:
+                input_ids[at], positions[at] = seq.token_ids[start], start
+                slots[at] = table[start // bs] * bs + start % bs
+            else:
+                input_ids[at : at + n] = seq.token_ids[start:end]
+                positions[at : at + n] = np.arange(start, end)
+                blocks = np.asarray(table[start // bs : (end - 1) // bs + 1], dtype=np.int64)  # [blocks touched]
+                block_slots = (blocks[:, None] * bs + np.arange(bs)).reshape(-1)  # [blocks touched * bs]
+                slots[at : at + n] = block_slots[start % bs : start % bs + n]
+            token_adapter_idx[at : at + n] = seq.adapter_idx
+            at += n
             q_lens.append(n)
-            token_adapter_idx += [seq.adapter_idx] * n
             context_lens.append(end)
-            block_tables.append(seq.block_table)
+            block_tables.append(table)
             if end == seq.num_tokens:
                 sample_rows.append(len(last_rows))
-            last_rows.append(len(input_ids) - 1)
+            last_rows.append(at - 1)
         p = batch.num_prefills
         attn = PagedAttentionMeta.build(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            slot_mapping=torch.from_numpy(slots).to(self.device),
             block_size=bs,
             prefill_q_lens=q_lens[:p],
             prefill_context_lens=context_lens[:p],
@@ -211,22 +223,22 @@ class ModelRunner:
             decode_block_tables=block_tables[p:],
             device=self.device,
         )
-        input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
-        positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
+        input_ids_t = torch.from_numpy(input_ids).to(self.device)  # [T]
+        positions_t = torch.from_numpy(positions).to(self.device)  # [T]
         last_rows_t = torch.tensor(last_rows, dtype=torch.long, device=self.device)  # [B]
         sample_rows_t = None  # every seq samples (all decodes, or whole prompts)
         if len(sample_rows) < len(last_rows):
             sample_rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self.device)  # [S]
         lora = None
-        if self.adapter_cache is not None and max(token_adapter_idx) != NO_ADAPTER:
+        if self.adapter_cache is not None and token_adapter_idx.max() != NO_ADAPTER:
             lora = self._lora_meta(token_adapter_idx)
         output_rows = None
-        if len(input_ids) > len(last_rows):  # prefill tokens: the last layer runs on each seq's last row only
-            output_lora = None if lora is None else self._lora_meta([token_adapter_idx[row] for row in last_rows])
+        if num_tokens > len(last_rows):  # prefill tokens: the last layer runs on each seq's last row only
+            output_lora = None if lora is None else self._lora_meta(token_adapter_idx[last_rows])
             output_rows = OutputRows(last_rows_t, self._query_meta(context_lens, block_tables), output_lora)
         return input_ids_t, positions_t, StepMeta(attn, lora, output_rows), last_rows_t, sample_rows_t
 
-    def _lora_meta(self, token_adapter_idx: list[int]) -> LoraMeta:
+    def _lora_meta(self, token_adapter_idx: np.ndarray) -> LoraMeta:
         cache = self.adapter_cache
         torch_layouts = self.config.lora_backend != "triton"  # the C++ ops fall back to the torch ops on fp16
         return LoraMeta.build(token_adapter_idx, self.device, cache.row_ranks, cache.max_lora_rank, 0, torch_layouts)

@@ -68,7 +68,7 @@ class LoraMeta:
     @classmethod
     def build(
         cls,
-        token_adapter_idx: list[int] | Tensor,
+        token_adapter_idx: list[int] | np.ndarray | Tensor,
         device: torch.device | str,
         row_ranks: Tensor | None = None,
         max_rank: int = 0,
