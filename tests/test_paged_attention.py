@@ -160,7 +160,9 @@ def test_meta_for_empty_parts():
     assert meta.prefill_cu_seqlens_q.tolist() == [0, 20, 21, 27]
     assert meta.prefill_cu_seqlens_q.dtype == meta.prefill_context_lens.dtype == torch.int32
     assert meta.max_prefill_q_len == 20 and meta.max_prefill_context_len == 20
+    assert not meta._prefill_seqs_made  # the torch path's per-seq prefills: made when first read, then kept
     assert meta.prefill_seqs is not None and [s.mask is None for s in meta.prefill_seqs] == [True, False, False]
+    assert meta._prefill_seqs_made and meta.prefill_seqs is meta.prefill_seqs
     assert make_batch("causal_prefill", 4, 2, 4).meta.prefill_seqs is not None  # lengths differ
     assert make_batch("uniform_prefill", 4, 2, 4).meta.prefill_seqs is None  # one padded batch, exact
 

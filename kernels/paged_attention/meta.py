@@ -3,8 +3,8 @@
 A step's flat batch of T tokens holds the prefill tokens first (sequence after sequence; a prefill may be a
 chunk continuing a prompt already partly in the cache), then exactly one token per decode sequence, then
 optional padding tokens (slot -1). Besides what the Triton kernels read, `build` precomputes the gather
-indices and masks of the torch path (its decode groups on first use), so that a layer builds no index and runs no
-Python loop.
+indices and masks of the torch path (its per-sequence prefills and decode groups on first use), so that a layer
+builds no index and runs no Python loop.
 """
 
 import itertools
@@ -57,19 +57,29 @@ class PagedAttentionMeta:
     store_token_idx: Tensor | None  # [S] int64 tokens whose slot >= 0; None when every token is stored
     store_slots: Tensor  # [S] int64 their slots
     prefill_kv_blocks: Tensor  # [P * nb] int64 block ids, nb = cdiv(max_prefill_context_len, block_size)
-    # Per-sequence prefill (torch path) when padding would waste work: lengths differ or a prefix is
-    # cached. None: every prefill has the same length and no cached prefix, so one padded batch is exact.
-    prefill_seqs: list[PrefillSeq] | None
+    # Per-sequence prefill (torch path) when padding would waste work: lengths differ or a prefix is cached; None:
+    # every prefill has the same length and no cached prefix, so one padded batch is exact. Made on first use
+    # (`prefill_seqs`), as the decode groups are: each prefill seq's block ids (and mask) are a copy to the device
+    # that a C++ or Triton kernel's step would pay for and never read.
+    make_prefill_seqs: Callable[[], list[PrefillSeq] | None]
     # decode seqs sorted by context length, split under DECODE_GROUP_KEYS: made on first use (`decode_groups`), as
     # only the torch path reads them and a C++ or Triton kernel's step would pay for them every step
     make_decode_groups: Callable[[], list[DecodeGroup]]
     _decode_groups: list[DecodeGroup] | None = None
+    _prefill_seqs: list[PrefillSeq] | None = None
+    _prefill_seqs_made: bool = False
 
     @property
     def decode_groups(self) -> list[DecodeGroup]:
         if self._decode_groups is None:
             self._decode_groups = self.make_decode_groups()
         return self._decode_groups
+
+    @property
+    def prefill_seqs(self) -> list[PrefillSeq] | None:
+        if not self._prefill_seqs_made:
+            self._prefill_seqs, self._prefill_seqs_made = self.make_prefill_seqs(), True
+        return self._prefill_seqs
 
     @property
     def num_prefill_seqs(self) -> int:
@@ -106,9 +116,9 @@ class PagedAttentionMeta:
             return torch.as_tensor(x).to(device=device, dtype=dtype, non_blocking=True)
 
         p_ctx, d_ctx = dev(prefill_context_lens), dev(decode_context_lens)
-        prefill_seqs = None
+        make_prefill_seqs = _no_prefill_seqs
         if len(set(prefill_q_lens)) > 1 or prefill_q_lens != prefill_context_lens:
-            prefill_seqs = _prefill_seqs(prefill_q_lens, prefill_context_lens, p_tables, block_size, dev)
+            make_prefill_seqs = partial(_prefill_seqs, prefill_q_lens, prefill_context_lens, p_tables, block_size, dev)
         return cls(
             slot_mapping=dev(slot_mapping),
             block_size=block_size,
@@ -124,7 +134,7 @@ class PagedAttentionMeta:
             store_token_idx=None if store_token_idx is None else dev(store_token_idx),
             store_slots=dev(store_slots),
             prefill_kv_blocks=dev(p_tables[:, : -(-max_p_ctx // block_size)].flatten()),
-            prefill_seqs=prefill_seqs,
+            make_prefill_seqs=make_prefill_seqs,
             make_decode_groups=partial(_decode_groups, decode_context_lens, d_tables, block_size, dev),
         )
 
@@ -162,7 +172,7 @@ class PagedAttentionMeta:
             store_token_idx=None,
             store_slots=slot_mapping,
             prefill_kv_blocks=none.long(),
-            prefill_seqs=None,
+            make_prefill_seqs=_no_prefill_seqs,
             make_decode_groups=no_torch_path,
         )
 
@@ -174,6 +184,10 @@ def _store_indices(slot_mapping: Tensor) -> tuple[Tensor | None, Tensor]:
         return None, slot_mapping
     token_idx = stored.nonzero().squeeze(1)  # [S]
     return token_idx, slot_mapping[token_idx]
+
+
+def _no_prefill_seqs() -> None:
+    return None
 
 
 def _prefill_seqs(q_lens: list[int], context_lens: list[int], tables: Tensor, block_size: int, dev) -> list[PrefillSeq]:
