@@ -214,7 +214,7 @@ class ModelRunner:
             last_rows.append(at - 1)
         p = batch.num_prefills
         attn = PagedAttentionMeta.build(
-            slot_mapping=torch.from_numpy(slots).to(self.device),
+            slot_mapping=torch.from_numpy(slots),  # on the host: the meta reads it there, then copies it once
             block_size=bs,
             prefill_q_lens=q_lens[:p],
             prefill_context_lens=context_lens[:p],

@@ -164,7 +164,9 @@ def test_meta_for_empty_parts():
     assert meta.prefill_seqs is not None and [s.mask is None for s in meta.prefill_seqs] == [True, False, False]
     assert meta._prefill_seqs_made and meta.prefill_seqs is meta.prefill_seqs
     assert make_batch("causal_prefill", 4, 2, 4).meta.prefill_seqs is not None  # lengths differ
-    assert make_batch("uniform_prefill", 4, 2, 4).meta.prefill_seqs is None  # one padded batch, exact
+    uniform = make_batch("uniform_prefill", 4, 2, 4).meta
+    assert uniform.prefill_seqs is None  # one padded batch, exact
+    assert uniform.store_token_idx is None and uniform.store_slots is uniform.slot_mapping  # all stored: one copy
 
 
 def test_meta_rejects_inconsistent_seqs():

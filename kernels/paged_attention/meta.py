@@ -106,6 +106,7 @@ class PagedAttentionMeta:
         num_prefill_tokens = sum(prefill_q_lens)
         if slot_mapping.shape[0] < num_prefill_tokens + len(decode_context_lens):
             raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} tokens, fewer than the batch holds")
+        # on the host when the caller's slots are (the runner's are): no device round trip to find the stored tokens
         store_token_idx, store_slots = _store_indices(slot_mapping.to(torch.int64))
         max_p_ctx = max(prefill_context_lens, default=0)
         max_d_ctx = max(decode_context_lens, default=0)
@@ -116,11 +117,12 @@ class PagedAttentionMeta:
             return torch.as_tensor(x).to(device=device, dtype=dtype, non_blocking=True)
 
         p_ctx, d_ctx = dev(prefill_context_lens), dev(decode_context_lens)
+        slots_on_device = dev(slot_mapping)
         make_prefill_seqs = _no_prefill_seqs
         if len(set(prefill_q_lens)) > 1 or prefill_q_lens != prefill_context_lens:
             make_prefill_seqs = partial(_prefill_seqs, prefill_q_lens, prefill_context_lens, p_tables, block_size, dev)
         return cls(
-            slot_mapping=dev(slot_mapping),
+            slot_mapping=slots_on_device,
             block_size=block_size,
             num_prefill_tokens=num_prefill_tokens,
             prefill_cu_seqlens_q=dev([0, *itertools.accumulate(prefill_q_lens)], torch.int32),
@@ -132,7 +134,7 @@ class PagedAttentionMeta:
             decode_block_tables=dev(d_tables, torch.int32),
             max_decode_context_len=max_d_ctx,
             store_token_idx=None if store_token_idx is None else dev(store_token_idx),
-            store_slots=dev(store_slots),
+            store_slots=slots_on_device if store_token_idx is None else dev(store_slots),
             prefill_kv_blocks=dev(p_tables[:, : -(-max_p_ctx // block_size)].flatten()),
             make_prefill_seqs=make_prefill_seqs,
             make_decode_groups=partial(_decode_groups, decode_context_lens, d_tables, block_size, dev),
