@@ -139,8 +139,12 @@ def serve_run(specs: list[RequestSpec], target: Target, level: int, server_pid: 
     """One run of `specs` through the server, `level` in flight: its summary (per-adapter rows left out), and the
     CPU seconds the server and this process (the client) spent meanwhile."""
     server_cpu, client_cpu = process_cpu_s(server_pid), time.process_time()
+    threads_before = server_thread_cpu_s(server_pid)
     summary = summarize(*run_requests(specs, target, RunLimits(max_concurrency=level, label=f"c={level}")))
     cpu_s = {"server": process_cpu_s(server_pid) - server_cpu, "client": time.process_time() - client_cpu}
+    threads = server_thread_cpu_s(server_pid)
+    cpu_s["server_event_loop"] = threads["event_loop"] - threads_before["event_loop"]
+    cpu_s["server_engine_thread"] = threads["engine_thread"] - threads_before["engine_thread"]
     if summary["failed"]:
         raise BenchError(f"{summary['failed']} requests failed at concurrency {level}: {summary['errors']}")
     return {"concurrency": level, **{k: v for k, v in summary.items() if k != "per_adapter"}, "cpu_s": cpu_s}
@@ -153,6 +157,25 @@ def process_cpu_s(pid: int) -> float:
     except OSError:
         return float("nan")
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: the stat's 14th, 15th
+
+
+ENGINE_THREAD = "loraplex-engine"  # the AsyncEngine's thread, named in the OS (its OpenMP workers are not)
+
+
+def server_thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds so far of the server's event loop (its main thread, which runs uvicorn) and of the engine's own
+    thread (which runs the steps' Python and the first share of each parallel region); NaN without /proc."""
+    totals = {"event_loop": 0.0, "engine_thread": 0.0}
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            name = (task / "comm").read_text().strip()
+            kind = "event_loop" if task.name == str(pid) else "engine_thread" if name == ENGINE_THREAD else None
+            if kind is not None:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                totals[kind] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:  # no /proc, or the server went away
+        return {kind: float("nan") for kind in totals}
+    return totals
 
 
 def paired_figures(pairs: list[tuple[dict, dict]]) -> dict:
@@ -175,6 +198,12 @@ def paired_figures(pairs: list[tuple[dict, dict]]) -> dict:
         "client_cpu_ms_per_token": statistics.median(
             per_token(s["cpu_s"]["client"], s["total_output_tokens"]) for _, s in pairs
         ),
+        **{
+            f"{part}_cpu_ms_per_token": statistics.median(
+                per_token(s["cpu_s"][part], s["total_output_tokens"]) for _, s in pairs
+            )
+            for part in ("server_event_loop", "server_engine_thread")
+        },
     }
 
 
@@ -217,6 +246,9 @@ def print_table(result: dict) -> None:
     client_ms = paired["client_cpu_ms_per_token"]
     print(f"CPU per output token (medians of those pairs): offline engine {offline_ms:.2f} ms, server "
           f"{server_ms:.2f} ms ({server_ms / offline_ms - 1:+.0%}), client {client_ms:.2f} ms")  # fmt: skip
+    loop_ms, engine_ms = paired["server_event_loop_cpu_ms_per_token"], paired["server_engine_thread_cpu_ms_per_token"]
+    print(f"  the server's: event loop {loop_ms:.3f} ms, engine thread {engine_ms:.2f} ms, the rest (the OpenMP "
+          f"team's other threads, helpers) {server_ms - loop_ms - engine_ms:.2f} ms")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING, TypeVar
 
-from engine.cpu_threads import run_alone
+from engine.cpu_threads import name_os_thread, run_alone
 from engine.delta_coalescer import DeltaCoalescer
 from engine.interface_types import (
     AdapterInfo,
@@ -123,6 +123,7 @@ class AsyncEngine:
 
     # ---- the engine thread ---------------------------------------------------------------------------
     def _run(self, build: Callable[[], LLMEngine], built: Future) -> None:
+        name_os_thread(self._thread.name)  # top, py-spy and `bench latency`'s CPU by thread tell it apart
         try:
             self._engine = build()
         except BaseException as e:

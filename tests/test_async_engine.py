@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -110,6 +111,9 @@ def test_the_engine_is_built_and_stepped_on_its_own_thread(model_dir):
     engine = AsyncEngine(build)
     try:
         assert threads == [engine_thread(engine)] and threads[0] is not threading.current_thread()
+        comm = Path(f"/proc/self/task/{threads[0].native_id}/comm")
+        if comm.exists():  # Linux: named in the OS too, for top, py-spy and bench latency's CPU by thread
+            assert comm.read_text().strip() == "loraplex-engine"
         stepped = asyncio.run(collect(engine, EngineRequest("t", [5, 6], SamplingParams(temperature=0, max_tokens=2))))
         assert len(stepped[0]) == 2
     finally:
