@@ -144,7 +144,7 @@ def serve_run(specs: list[RequestSpec], target: Target, level: int, server_pid: 
     cpu_s = {"server": process_cpu_s(server_pid) - server_cpu, "client": time.process_time() - client_cpu}
     threads = server_thread_cpu_s(server_pid)
     cpu_s["server_event_loop"] = threads["event_loop"] - threads_before["event_loop"]
-    cpu_s["server_engine_thread"] = threads["engine_thread"] - threads_before["engine_thread"]
+    cpu_s["server_engine_threads"] = threads["engine_threads"] - threads_before["engine_threads"]
     if summary["failed"]:
         raise BenchError(f"{summary['failed']} requests failed at concurrency {level}: {summary['errors']}")
     return {"concurrency": level, **{k: v for k, v in summary.items() if k != "per_adapter"}, "cpu_s": cpu_s}
@@ -159,17 +159,19 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: the stat's 14th, 15th
 
 
-ENGINE_THREAD = "loraplex-engine"  # the AsyncEngine's thread, named in the OS (its OpenMP workers are not)
+# The AsyncEngine's thread, named in the OS; the OpenMP workers it starts inherit the name (Linux copies a thread's
+# name to the threads it creates), so the name covers the engine's whole team.
+ENGINE_THREAD = "loraplex-engine"
 
 
 def server_thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds so far of the server's event loop (its main thread, which runs uvicorn) and of the engine's own
-    thread (which runs the steps' Python and the first share of each parallel region); NaN without /proc."""
-    totals = {"event_loop": 0.0, "engine_thread": 0.0}
+    """CPU seconds so far of the server's event loop (its main thread, which runs uvicorn) and of the engine's
+    threads (its own, which runs the steps' Python, and its OpenMP team); NaN without /proc."""
+    totals = {"event_loop": 0.0, "engine_threads": 0.0}
     try:
         for task in Path(f"/proc/{pid}/task").iterdir():
             name = (task / "comm").read_text().strip()
-            kind = "event_loop" if task.name == str(pid) else "engine_thread" if name == ENGINE_THREAD else None
+            kind = "event_loop" if task.name == str(pid) else "engine_threads" if name == ENGINE_THREAD else None
             if kind is not None:
                 fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
                 totals[kind] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -202,7 +204,7 @@ def paired_figures(pairs: list[tuple[dict, dict]]) -> dict:
             f"{part}_cpu_ms_per_token": statistics.median(
                 per_token(s["cpu_s"][part], s["total_output_tokens"]) for _, s in pairs
             )
-            for part in ("server_event_loop", "server_engine_thread")
+            for part in ("server_event_loop", "server_engine_threads")
         },
     }
 
@@ -246,9 +248,9 @@ def print_table(result: dict) -> None:
     client_ms = paired["client_cpu_ms_per_token"]
     print(f"CPU per output token (medians of those pairs): offline engine {offline_ms:.2f} ms, server "
           f"{server_ms:.2f} ms ({server_ms / offline_ms - 1:+.0%}), client {client_ms:.2f} ms")  # fmt: skip
-    loop_ms, engine_ms = paired["server_event_loop_cpu_ms_per_token"], paired["server_engine_thread_cpu_ms_per_token"]
-    print(f"  the server's: event loop {loop_ms:.3f} ms, engine thread {engine_ms:.2f} ms, the rest (the OpenMP "
-          f"team's other threads, helpers) {server_ms - loop_ms - engine_ms:.2f} ms")  # fmt: skip
+    loop_ms, engine_ms = paired["server_event_loop_cpu_ms_per_token"], paired["server_engine_threads_cpu_ms_per_token"]
+    print(f"  the server's: event loop {loop_ms:.3f} ms, engine threads {engine_ms:.2f} ms (its own and its "
+          f"OpenMP team), other threads {server_ms - loop_ms - engine_ms:.2f} ms")  # fmt: skip
 
 
 if __name__ == "__main__":
