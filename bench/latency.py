@@ -139,10 +139,10 @@ def serve_run(specs: list[RequestSpec], target: Target, level: int, server_pid: 
     """One run of `specs` through the server, `level` in flight: its summary (per-adapter rows left out), and the
     CPU seconds the server and this process (the client) spent meanwhile."""
     server_cpu, client_cpu = process_cpu_s(server_pid), time.process_time()
-    threads_before = server_thread_cpu_s(server_pid)
+    threads_before = server_thread_cpu_s(server_pid)  # the threads' window inside the process's: their parts fit it
     summary = summarize(*run_requests(specs, target, RunLimits(max_concurrency=level, label=f"c={level}")))
-    cpu_s = {"server": process_cpu_s(server_pid) - server_cpu, "client": time.process_time() - client_cpu}
     threads = server_thread_cpu_s(server_pid)
+    cpu_s = {"server": process_cpu_s(server_pid) - server_cpu, "client": time.process_time() - client_cpu}
     cpu_s["server_event_loop"] = threads["event_loop"] - threads_before["event_loop"]
     cpu_s["server_engine_threads"] = threads["engine_threads"] - threads_before["engine_threads"]
     if summary["failed"]:

@@ -231,7 +231,7 @@ def test_latency_runs_the_server_and_the_offline_engine_on_the_same_requests(mod
     assert all(paired[f"{side}_cpu_ms_per_token"] > 0 for side in ("offline", "server", "client"))
     for run in result["runs"]:  # the event loop's and the engine thread's shares of the server's CPU
         parts = run["cpu_s"]["server_event_loop"] + run["cpu_s"]["server_engine_threads"]
-        assert 0 <= parts <= run["cpu_s"]["server"] + 0.02  # one clock tick of slack per thread
+        assert 0 <= parts <= run["cpu_s"]["server"] + 0.05  # each counter read rounds down to a clock tick
     assert json.loads((tmp_path / "latency.json").read_text())["runs"][0]["concurrency"] == 1
     assert (tmp_path / "latency_vs_concurrency.png").stat().st_size > 0
 

@@ -7,7 +7,8 @@ fixed one-segment-per-row layout. A program reads the segment's adapter row once
 sorted_token_idx, and accumulates tl.dot products in fp32.
 The expand's second grid axis walks (slice, column tile), so a packed layer is one launch whatever its slices.
 Ranks and hidden sizes need not be powers of two: every load is masked and the rank is padded to 16 in
-registers (tl.dot needs every dimension >= 16). Imported only when the "triton" backend is chosen.
+registers (tl.dot needs every dimension >= 16). Launched through FastLaunch (kernels/triton_launch.py: the compiled
+kernel's own launcher, not the JIT's per-call binding). Imported only when the "triton" backend is chosen.
 """
 
 import functools

@@ -5,7 +5,8 @@ positions, look each position's block up in the block table, and keep an online 
 Decode splits long contexts (flash-decoding, vLLM's paged_attention_v2): when a program per (seq, kv head) would
 leave the GPU's multiprocessors idle, each program takes one partition of the keys and writes its partial softmax
 state (max, sum, unnormalized output), and a second kernel merges the partitions of each (seq, q head).
-Imported only when the "triton" backend is chosen.
+Every kernel launches through FastLaunch (kernels/triton_launch.py). Imported only when the "triton" backend is
+chosen.
 """
 
 import functools
