@@ -40,6 +40,7 @@ from bench.peer_workload import PeerWorkload
 from bench.runner import RunLimits, run_requests
 from bench.server_process import ServeProcess
 from bench.workload import RequestSpec
+from engine.cpu_threads import stat_cpu_s
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,8 +144,7 @@ def serve_run(specs: list[RequestSpec], target: Target, level: int, server_pid: 
     summary = summarize(*run_requests(specs, target, RunLimits(max_concurrency=level, label=f"c={level}")))
     threads = server_thread_cpu_s(server_pid)
     cpu_s = {"server": process_cpu_s(server_pid) - server_cpu, "client": time.process_time() - client_cpu}
-    cpu_s["server_event_loop"] = threads["event_loop"] - threads_before["event_loop"]
-    cpu_s["server_engine_threads"] = threads["engine_threads"] - threads_before["engine_threads"]
+    cpu_s.update({f"server_{kind}": seconds - threads_before[kind] for kind, seconds in threads.items()})
     if summary["failed"]:
         raise BenchError(f"{summary['failed']} requests failed at concurrency {level}: {summary['errors']}")
     return {"concurrency": level, **{k: v for k, v in summary.items() if k != "per_adapter"}, "cpu_s": cpu_s}
@@ -153,10 +153,9 @@ def serve_run(specs: list[RequestSpec], target: Target, level: int, server_pid: 
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of process `pid` so far, every thread (/proc/PID/stat); NaN without /proc."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return stat_cpu_s(Path(f"/proc/{pid}/stat"))
     except OSError:
         return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: the stat's 14th, 15th
 
 
 # The AsyncEngine's thread, named in the OS; the OpenMP workers it starts inherit the name (Linux copies a thread's
@@ -173,8 +172,7 @@ def server_thread_cpu_s(pid: int) -> dict[str, float]:
             name = (task / "comm").read_text().strip()
             kind = "event_loop" if task.name == str(pid) else "engine_threads" if name == ENGINE_THREAD else None
             if kind is not None:
-                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                totals[kind] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                totals[kind] += stat_cpu_s(task / "stat")
     except OSError:  # no /proc, or the server went away
         return {kind: float("nan") for kind in totals}
     return totals
@@ -194,17 +192,11 @@ def paired_figures(pairs: list[tuple[dict, dict]]) -> dict:
         "server_tok_s": server_tok_s,
         "server_over_offline": statistics.median(s / o for o, s in zip(offline_tok_s, server_tok_s)),
         "offline_cpu_ms_per_token": statistics.median(per_token(a["cpu_s"][0], a["output_tokens"]) for a, _ in pairs),
-        "server_cpu_ms_per_token": statistics.median(
-            per_token(s["cpu_s"]["server"], s["total_output_tokens"]) for _, s in pairs
-        ),
-        "client_cpu_ms_per_token": statistics.median(
-            per_token(s["cpu_s"]["client"], s["total_output_tokens"]) for _, s in pairs
-        ),
         **{
             f"{part}_cpu_ms_per_token": statistics.median(
                 per_token(s["cpu_s"][part], s["total_output_tokens"]) for _, s in pairs
             )
-            for part in ("server_event_loop", "server_engine_threads")
+            for part in ("server", "client", "server_event_loop", "server_engine_threads")
         },
     }
 

@@ -49,9 +49,14 @@ def busy_seconds() -> tuple[float, float]:
     fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]  # cpu user nice system idle iowait ...
     ticks = [int(f) for f in fields]
     machine_busy = sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)  # all but idle and iowait
-    stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    own = int(stat[11]) + int(stat[12])  # utime + stime of every thread of this process
-    return machine_busy / TICKS_PER_S, own / TICKS_PER_S
+    return machine_busy / TICKS_PER_S, stat_cpu_s(Path("/proc/self/stat"))
+
+
+def stat_cpu_s(stat: Path) -> float:
+    """User + system CPU seconds in a /proc stat file: /proc/PID/stat (every thread of the process) or
+    /proc/PID/task/TID/stat (one thread). Raises OSError where it cannot be read."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S  # utime, stime: the stat's 14th and 15th fields
 
 
 PR_SET_NAME = 15  # prctl(2): the calling thread's name, at most 15 bytes
