@@ -266,15 +266,15 @@ def graph_meta(idx: torch.Tensor, num_rows: int, device):
     """The meta a CUDA graph's step over these tokens would use (LoraMeta.over_rows: one segment per stacked row,
     16-token tiles, the table as long as the bucket can need)."""
     from kernels.lora import LoraMeta
-    from kernels.lora.meta import fill_tile_table, graph_tiles
+    from kernels.lora.meta import fill_graph_layout, graph_tiles
 
-    counts = torch.bincount(idx, minlength=num_rows)  # [N]
-    seg_indptr = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])  # [N+1]
+    sorted_idx = torch.empty(len(idx), dtype=torch.int64)  # [T]: every token has an adapter here
+    seg_indptr = torch.empty(num_rows + 1, dtype=torch.int32)  # [N+1]
     tiles = torch.empty(2, graph_tiles(len(idx), num_rows), dtype=torch.int32)
-    fill_tile_table(tiles.numpy(), seg_indptr.numpy())
+    fill_graph_layout(idx.numpy(), sorted_idx.numpy(), seg_indptr.numpy(), tiles.numpy())  # as DecodeGraphs does
     return LoraMeta.over_rows(
-        idx.to(device), idx.argsort(stable=True).to(device), seg_indptr.to(device, torch.int32),
-        torch.arange(num_rows, device=device), tiles.to(device),
+        idx.to(device), sorted_idx.to(device), seg_indptr.to(device), torch.arange(num_rows, device=device),
+        tiles.to(device),
     )  # fmt: skip
 
 

@@ -23,14 +23,13 @@ import logging
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from torch import nn
 
 from engine.scheduler import ScheduledBatch
 from engine.step_meta import StepMeta
 from kernels.lora import NO_ADAPTER, LoraMeta
-from kernels.lora.meta import fill_tile_table, graph_tiles
+from kernels.lora.meta import fill_graph_layout, graph_tiles
 from kernels.paged_attention import PagedAttentionMeta
 
 logger = logging.getLogger(__name__)
@@ -163,14 +162,8 @@ class DecodeGraphs:
         ids[:2, n:size], ids[2, n:size], lens[n:size], tables[n:size, 0] = 0, -1, 1, 0  # padding rows
         ids[3, :n], ids[3, n:size] = adapter_rows, NO_ADAPTER
         if self.num_lora_rows:  # segment a: the tokens of row a, in batch order
-            rows = np.asarray(adapter_rows, dtype=np.int64)
-            order = np.argsort(np.where(rows >= 0, rows, self.num_lora_rows), kind="stable")
-            counts = np.bincount(rows[rows >= 0], minlength=self.num_lora_rows)
-            ids[4, : counts.sum()] = order[: counts.sum()]
             seg_indptr, tiles = (view.numpy() for view in self._lora_views(self.host_lens))
-            seg_indptr[0] = 0
-            np.cumsum(counts, out=seg_indptr[1:])
-            fill_tile_table(tiles, seg_indptr)
+            fill_graph_layout(adapter_rows, ids[4], seg_indptr, tiles)
 
     def _lora_views(self, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The LoRA part of lens (the host staging buffer or its device copy), after the seqs' context lengths: the

@@ -14,7 +14,7 @@ from torch import Tensor
 from kernels.lora import LoraMeta, add_lora, get_lora_ops
 from kernels.lora import torch_ops as torch_module
 from kernels.lora.host_pack import TORCH_DTYPES, HostPack
-from kernels.lora.meta import GRAPH_TILE_TOKENS, NO_TILE, fill_tile_table, graph_tiles, tile_table
+from kernels.lora.meta import GRAPH_TILE_TOKENS, NO_TILE, fill_graph_layout, fill_tile_table, graph_tiles, tile_table
 
 torch_ops = get_lora_ops("torch")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -319,6 +319,16 @@ def test_tile_table_covers_every_token_once_within_its_segment(tile_tokens):
     expected_tiles = sum(-(-n // meta.tile_tokens) for n in (18, 130, 2))
     assert len(segs) == expected_tiles and meta.tile_table.dtype == torch.int32
     assert LoraMeta.build([4, 4], "cpu").tile_tokens == 16 and LoraMeta.build([-1], "cpu").tile_table.shape == (2, 0)
+
+
+def test_graph_layout_sorts_tokens_by_row_into_fixed_buffers():
+    rows = [2, -1, 0, 2, -1, 0, 0]  # 7 tokens over 3 rows (row 1 empty), two without an adapter
+    sorted_idx, seg_indptr = np.full(7, 99), np.zeros(4, dtype=np.int32)
+    tiles = np.zeros((2, graph_tiles(7, 3)), dtype=np.int32)
+    fill_graph_layout(rows, sorted_idx, seg_indptr, tiles)
+    assert sorted_idx.tolist() == [2, 5, 6, 0, 3, 99, 99]  # row 0's tokens, then row 2's; the rest untouched
+    assert seg_indptr.tolist() == [0, 3, 3, 5]
+    assert tiles[:, :2].tolist() == [[0, 2], [0, 3]] and (tiles[0, 2:] == NO_TILE).all()
 
 
 def test_graph_tile_table_fits_any_step_of_its_bucket():

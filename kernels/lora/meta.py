@@ -198,6 +198,23 @@ def graph_tiles(num_tokens: int, num_rows: int) -> int:
     return -(-num_tokens // GRAPH_TILE_TOKENS) + num_rows
 
 
+def fill_graph_layout(
+    adapter_rows: np.ndarray | list[int], sorted_out: np.ndarray, seg_indptr_out: np.ndarray, tiles_out: np.ndarray
+) -> None:
+    """Writes a graph step's LoRA layout (`LoraMeta.over_rows`: segment a = the tokens of row a, in batch order) into
+    host buffers: the L tokens with an adapter sorted by row into sorted_out[:L], the rows' segment bounds into
+    seg_indptr_out [N+1] (N = its length - 1), and their tiles into tiles_out (`fill_tile_table`).
+    adapter_rows: [T], -1 for none."""
+    rows = np.asarray(adapter_rows, dtype=np.int64)  # [T]
+    num_rows = len(seg_indptr_out) - 1
+    counts = np.bincount(rows[rows >= 0], minlength=num_rows)  # [N]
+    num_lora = int(counts.sum())
+    sorted_out[:num_lora] = np.argsort(np.where(rows >= 0, rows, num_rows), kind="stable")[:num_lora]
+    seg_indptr_out[0] = 0
+    np.cumsum(counts, out=seg_indptr_out[1:])
+    fill_tile_table(tiles_out, seg_indptr_out)
+
+
 def fill_tile_table(out: np.ndarray, seg_indptr: np.ndarray) -> None:
     """Writes a graph step's tiles (GRAPH_TILE_TOKENS each) into the [2, W] int32 host buffer out, NO_TILE past them."""
     tiles = tile_table(seg_indptr, GRAPH_TILE_TOKENS)  # [2, w], w <= W
