@@ -88,6 +88,7 @@ LORA_SHAPES = [
 ]
 SWEEP_LAUNCHES = ((4, 2), (4, 3), (8, 2), (8, 3))  # (num_warps, num_stages)
 SWEEP_REP = 60  # ms of timed runs per setting
+SPLIT_PARTS = (1, 2, 4, 8, 16)  # the shrink's parts of H_in timed for each LoRA shape
 SMOKE_ATTENTION = [AttentionShape(3, 70, 4, 2, 16, 16)]
 SMOKE_LORA = [LoraShape(5, 2, 8, 64, (64, 32))]
 
@@ -292,7 +293,7 @@ def lora_rows(device, dtype, shapes, copy_rate: float, sweep: bool) -> list[dict
     for shape in shapes:
         x, lora_a, lora_b, y, meta, idx = lora_case(shape, device, dtype)
         slices = shape.output_slices
-        z = torch.zeros(shape.tokens, len(slices) * shape.rank, device=device, dtype=dtype)
+        z = triton_ops.shrink_out(x, lora_a, meta)  # [T, S * R], or [P, T, S * R] fp32 partials (split-K)
         triton_ops.lora_shrink(z, x, lora_a, meta)  # the expand's input, as in a layer
         ref = y.float().clone()
         torch_ops.add_lora(ref, x.float(), lora_a.float(), lora_b.float(), meta, slices)
@@ -300,15 +301,22 @@ def lora_rows(device, dtype, shapes, copy_rate: float, sweep: bool) -> list[dict
         triton_ops.add_lora(out, x, lora_a, lora_b, meta, slices)
         error = ((out.float() - ref).norm() / (ref - y.float()).norm()).item()  # of the LoRA delta
         nbytes = lora_bytes(shape, x.element_size())
-        row = {**shape.__dict__, "bytes": nbytes, "rel_error_of_delta": error}
+        row = {
+            **shape.__dict__,
+            "bytes": nbytes,
+            "rel_error_of_delta": error,
+            "shrink_parts": z.shape[0] if z.dim() == 3 else 1,
+        }
         row["shrink_ms"] = time_ms(partial(triton_ops.lora_shrink, z, x, lora_a, meta), device)
         row["expand_ms"] = time_ms(partial(triton_ops.lora_expand, y, z, lora_b, meta, slices), device)
         tile16 = LoraMeta.build(idx, device, tile_tokens=16)  # a CUDA graph's tiles
         row["shrink_ms_tile16"] = time_ms(partial(triton_ops.lora_shrink, z, x, lora_a, tile16), device)
         row["expand_ms_tile16"] = time_ms(partial(triton_ops.lora_expand, y, z, lora_b, tile16, slices), device)
         graph = graph_meta(idx, lora_a.shape[0], device)  # what a graph replays: one segment per stacked row
-        row["shrink_ms_graph"] = time_ms(partial(triton_ops.lora_shrink, z, x, lora_a, graph), device)
-        row["expand_ms_graph"] = time_ms(partial(triton_ops.lora_expand, y, z, lora_b, graph, slices), device)
+        z_graph = triton_ops.shrink_out(x, lora_a, graph)
+        row["shrink_ms_graph"] = time_ms(partial(triton_ops.lora_shrink, z_graph, x, lora_a, graph), device)
+        row["expand_ms_graph"] = time_ms(partial(triton_ops.lora_expand, y, z_graph, lora_b, graph, slices), device)
+        row["split_k"] = split_k_rows(x, lora_a, lora_b, y, {"plain": meta, "graph": graph}, slices, device)
         row["add_lora_ms"] = time_ms(partial(triton_ops.add_lora, y, x, lora_a, lora_b, meta, slices), device)
         row["torch_add_lora_ms"] = time_ms(partial(torch_ops.add_lora, y, x, lora_a, lora_b, meta, slices), device)
         for op in ("shrink", "expand"):
@@ -320,9 +328,36 @@ def lora_rows(device, dtype, shapes, copy_rate: float, sweep: bool) -> list[dict
         print(f"lora T {shape.tokens:>4} N {shape.adapters:>4} R {shape.rank:>3}: shrink {row['shrink_ms'] * 1e3:7.1f} "
               f"us {row['shrink_of_copy']:4.0%}, expand {row['expand_ms'] * 1e3:7.1f} us {row['expand_of_copy']:4.0%}"
               f" of copy; add_lora {row['add_lora_ms'] * 1e3:7.1f} us (torch {row['torch_add_lora_ms'] * 1e3:7.1f});"
-              f" rel err {error:.1e}; 16-token tiles: shrink {row['shrink_ms_tile16'] * 1e3:.1f}, expand "
+              f" rel err {error:.1e}; {row['shrink_parts']} part(s) of H_in; 16-token tiles: shrink "
+              f"{row['shrink_ms_tile16'] * 1e3:.1f}, expand "
               f"{row['expand_ms_tile16'] * 1e3:.1f} us; graph meta: {row['shrink_ms_graph'] * 1e3:.1f}, "
               f"{row['expand_ms_graph'] * 1e3:.1f} us", flush=True)  # fmt: skip
+    return rows
+
+
+def split_k_rows(x, lora_a, lora_b, y, metas: dict, slices, device) -> list[dict]:
+    """Shrink and expand µs for each split of H_in (SPLIT_PARTS; 1 = no partials) and meta: which split wins where."""
+    from kernels.lora import triton_ops
+
+    rows = []
+    for name, meta in metas.items():
+        found = {"meta": name}
+        for parts in SPLIT_PARTS:
+            shape = (x.shape[0], lora_a.shape[1])
+            z = (
+                torch.zeros(shape, device=device, dtype=x.dtype)
+                if parts == 1
+                else torch.zeros((parts, *shape), device=device, dtype=torch.float32)
+            )
+            found[f"shrink_{parts}"] = 1e3 * time_ms(
+                partial(triton_ops.lora_shrink, z, x, lora_a, meta), device, SWEEP_REP
+            )
+            found[f"expand_{parts}"] = 1e3 * time_ms(
+                partial(triton_ops.lora_expand, y, z, lora_b, meta, slices), device, SWEEP_REP
+            )
+        rows.append(found)
+        print(f"    split-K {name}: " + ", ".join(f"{p}: {found[f'shrink_{p}']:.1f} + {found[f'expand_{p}']:.1f}"
+                                              for p in SPLIT_PARTS) + " us", flush=True)  # fmt: skip
     return rows
 
 

@@ -29,6 +29,7 @@ LAYERS = {  # (H_in, output_slices): odd sizes, and packed layers
     "dense": (72, (136,)),
     "qkv": (100, (40, 24, 24)),
     "gate_up": (72, (52, 52)),
+    "wide_in": (300, (40, 24, 24)),  # H_in over two of the fp32 shrink's 128-column steps: split-K has parts
 }
 POPULARITY = ["distinct", "uniform", "skewed", "identical", "segments"]
 
@@ -433,6 +434,45 @@ def test_triton_ops_match_torch_ops(num_tokens, num_adapters, rank, popularity, 
         ops.add_lora(ys[-1], case.x, case.lora_a, case.lora_b, case.meta, case.output_slices)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ys[0], ys[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("parts", [2, 3, 5])
+@pytest.mark.parametrize("popularity", ["uniform", "segments"])
+def test_triton_split_k_partials_add_up_in_the_expand(parts, popularity):
+    """The shrink into [P, T, S * R] fp32 partial sums over parts of H_in (5 parts of 3 steps: two parts hold none
+    and must write zeros over the buffer's garbage), the expand adding them: the naive results."""
+    import kernels.lora.triton_ops as triton_module
+
+    case = make_case(64, 8, 16, popularity, "wide_in", device=TRITON_DEVICE)
+    partials = torch.randn(parts, *case.out.shape, device=TRITON_DEVICE)  # garbage the shrink must overwrite
+    triton_module.lora_shrink(partials, case.x, case.lora_a, case.meta)
+    rows = case.has_adapter.to(TRITON_DEVICE)
+    torch.testing.assert_close(partials.sum(0)[rows], case.expected_z[rows], rtol=1e-5, atol=1e-5)
+    y = case.y.clone()
+    triton_module.lora_expand(y, partials, case.lora_b, case.meta, case.output_slices)
+    assert_rows(y, case.expected_y, case.has_adapter)
+    y = case.y.clone()
+    triton_module.add_lora(y, case.x, case.lora_a, case.lora_b, case.meta, case.output_slices, buffer=partials)
+    assert_rows(y, case.expected_y, case.has_adapter)
+    with pytest.raises(ValueError, match="fp32"):
+        triton_module.lora_shrink(partials.half(), case.x, case.lora_a, case.meta)
+
+
+def test_triton_shrink_out_splits_h_in_only_when_programs_are_few(monkeypatch):
+    """On a device of 132 multiprocessors: a decode step's few tiles get fp32 partials over a power of two of parts
+    of H_in (at most one per 256-column step, at most 4), a long prefill's many tiles the plain [T, S * R] buffer."""
+    import kernels.lora.triton_ops as triton_module
+
+    monkeypatch.setattr(triton_module, "_multiprocessors", lambda device: 132)
+    lora_a = torch.empty(16, 48, 2048, dtype=torch.bfloat16)  # [N, S * R, H_in]: 48 columns = 2 column tiles
+    decode = LoraMeta.build(torch.arange(64) % 8, "cpu")  # 8 tiles
+    z = triton_module.shrink_out(torch.empty(64, 2048, dtype=torch.bfloat16), lora_a, decode)
+    assert z.shape == (4, 64, 48) and z.dtype == torch.float32  # 16 programs want 9 parts: at most 4
+    prefill = LoraMeta.build(torch.arange(16384) // 1024, "cpu")  # 16 segments of 1024: 256 tiles of 64
+    z = triton_module.shrink_out(torch.empty(16384, 2048, dtype=torch.bfloat16), lora_a, prefill)
+    assert z.shape == (16384, 48) and z.dtype == torch.bfloat16
+    assert triton_module.shrink_parts(8, 48, torch.empty(1, 512, dtype=torch.bfloat16)) == 2  # 2 steps of H_in
+    assert triton_module.shrink_parts(64, 48, torch.empty(1, 4096, dtype=torch.bfloat16)) == 2  # 128 programs want 2
 
 
 BF16_DOT_BROKEN = pytest.mark.skipif(

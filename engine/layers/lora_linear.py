@@ -48,7 +48,7 @@ class LoRALinear(nn.Module):
     def _forward_branched(self, x: torch.Tensor, lora: LoraMeta) -> torch.Tensor:
         """The shrink on the side stream while the base GEMM runs on the capturing one; then the expand."""
         main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
-        z = x.new_empty(x.shape[0], self.lora_a.shape[1])  # [T, S * R], made on the main stream, as y is
+        z = self.ops.shrink_out(x, self.lora_a, lora)  # [T, S * R] or [P, T, S * R]: on the main stream, as y is
         side.wait_stream(main)  # x is ready
         with torch.cuda.stream(side):
             self.ops.lora_shrink(z, x, self.lora_a, lora)

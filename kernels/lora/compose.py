@@ -1,4 +1,4 @@
-"""add_lora = lora_shrink then lora_expand, built once for each backend from its two ops."""
+"""add_lora for a backend, composed from its shrink and expand, and the shrink's buffer as the torch ops take it."""
 
 from collections.abc import Callable
 
@@ -7,7 +7,13 @@ from torch import Tensor
 from .meta import LoraMeta
 
 
-def compose_add_lora(lora_shrink: Callable, lora_expand: Callable) -> Callable:
+def shrink_out(x: Tensor, lora_a: Tensor, meta: LoraMeta) -> Tensor:
+    """The buffer lora_shrink writes and lora_expand reads: z [T, S * R] in x's dtype (the torch and C++ ops; the
+    Triton ops may ask for partial sums instead). x: [T, H_in] · lora_a: [N, S * R, H_in]"""
+    return x.new_empty(x.shape[0], lora_a.shape[1])
+
+
+def compose_add_lora(lora_shrink: Callable, lora_expand: Callable, new_shrink_out: Callable = shrink_out) -> Callable:
     def add_lora(
         y: Tensor,
         x: Tensor,
@@ -18,10 +24,10 @@ def compose_add_lora(lora_shrink: Callable, lora_expand: Callable) -> Callable:
         buffer: Tensor | None = None,
     ) -> None:
         """y[t] += (x[t] @ lora_a[i].T) @ lora_b[i].T per slice, i = token_adapter_idx[t]: lora_shrink into buffer
-        (z: [T, S * R], allocated here when None), then lora_expand."""
+        (the backend's shrink_out when None), then lora_expand."""
         if not meta.has_lora:
             return
-        z = buffer if buffer is not None else x.new_empty(x.shape[0], lora_a.shape[1])  # [T, S * R]
+        z = buffer if buffer is not None else new_shrink_out(x, lora_a, meta)
         lora_shrink(z, x, lora_a, meta)
         lora_expand(y, z, lora_b, meta, output_slices)
 

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .. import cpu_native
 from . import torch_ops
+from .compose import shrink_out as shrink_out  # the ops' interface: the shrink's buffer
 from .meta import LoraMeta, check_expand, check_shrink
 
 # id(lora_b) -> (a weak reference to it, its version when transposed, lora_b^T)

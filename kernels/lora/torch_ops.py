@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .compose import compose_add_lora
+from .compose import shrink_out as shrink_out  # the ops' interface: the shrink's buffer
 from .meta import LoraMeta, check_expand, check_shrink
 
 # On 2 CPU threads a torch call costs about as much as writing this many floats to padded temporaries
