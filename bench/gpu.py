@@ -89,6 +89,7 @@ LORA_SHAPES = [
 SWEEP_LAUNCHES = ((4, 2), (4, 3), (8, 2), (8, 3))  # (num_warps, num_stages)
 SWEEP_REP = 60  # ms of timed runs per setting
 SPLIT_PARTS = (1, 2, 4, 8, 16)  # the shrink's parts of H_in timed for each LoRA shape
+EXPAND_GROUPS = (1, 2, 4, 8, 16)  # the expand's column tiles per program timed for each LoRA shape
 SMOKE_ATTENTION = [AttentionShape(3, 70, 4, 2, 16, 16)]
 SMOKE_LORA = [LoraShape(5, 2, 8, 64, (64, 32))]
 
@@ -317,6 +318,7 @@ def lora_rows(device, dtype, shapes, copy_rate: float, sweep: bool) -> list[dict
         row["shrink_ms_graph"] = time_ms(partial(triton_ops.lora_shrink, z_graph, x, lora_a, graph), device)
         row["expand_ms_graph"] = time_ms(partial(triton_ops.lora_expand, y, z_graph, lora_b, graph, slices), device)
         row["split_k"] = split_k_rows(x, lora_a, lora_b, y, {"plain": meta, "graph": graph}, slices, device)
+        row["expand_groups"] = expand_group_rows(y, z, lora_b, {"plain": meta, "graph": graph}, slices, device)
         row["add_lora_ms"] = time_ms(partial(triton_ops.add_lora, y, x, lora_a, lora_b, meta, slices), device)
         row["torch_add_lora_ms"] = time_ms(partial(torch_ops.add_lora, y, x, lora_a, lora_b, meta, slices), device)
         for op in ("shrink", "expand"):
@@ -358,6 +360,26 @@ def split_k_rows(x, lora_a, lora_b, y, metas: dict, slices, device) -> list[dict
         rows.append(found)
         print(f"    split-K {name}: " + ", ".join(f"{p}: {found[f'shrink_{p}']:.1f} + {found[f'expand_{p}']:.1f}"
                                               for p in SPLIT_PARTS) + " us", flush=True)  # fmt: skip
+    return rows
+
+
+def expand_group_rows(y, z, lora_b, metas: dict, slices, device) -> list[dict]:
+    """Expand µs for each count of column tiles per program (EXPAND_GROUPS) and num_stages (2, 3), per meta."""
+    from kernels.lora import triton_ops
+    from kernels.triton_launch import FastLaunch
+
+    rows = []
+    for name, meta in metas.items():
+        found = {"meta": name}
+        for stages in (2, 3):
+            launch = FastLaunch(triton_ops._expand_kernel, **{**triton_ops.EXPAND_LAUNCH, "num_stages": stages})
+            for group in EXPAND_GROUPS:
+                with patched(triton_ops, _expand=launch, expand_group_tiles=lambda programs, device, g=group: g):
+                    run = partial(triton_ops.lora_expand, y, z, lora_b, meta, slices)
+                    found[f"stages_{stages}_group_{group}"] = 1e3 * time_ms(run, device, SWEEP_REP)
+        rows.append(found)
+        timed = ", ".join(f"{k.removeprefix('stages_')}: {v:.1f}" for k, v in found.items() if k != "meta")
+        print(f"    expand groups {name}: {timed} us", flush=True)
     return rows
 
 

@@ -30,6 +30,7 @@ LAYERS = {  # (H_in, output_slices): odd sizes, and packed layers
     "qkv": (100, (40, 24, 24)),
     "gate_up": (72, (52, 52)),
     "wide_in": (300, (40, 24, 24)),  # H_in over two of the fp32 shrink's 128-column steps: split-K has parts
+    "wide_out": (72, (300, 200)),  # slices of 3 and 2 of the expand's 128-column tiles, the last ones partial
 }
 POPULARITY = ["distinct", "uniform", "skewed", "identical", "segments"]
 
@@ -456,6 +457,31 @@ def test_triton_split_k_partials_add_up_in_the_expand(parts, popularity):
     assert_rows(y, case.expected_y, case.has_adapter)
     with pytest.raises(ValueError, match="fp32"):
         triton_module.lora_shrink(partials.half(), case.x, case.lora_a, case.meta)
+
+
+@pytest.mark.parametrize("group_tiles", [1, 2, 3, 8])
+@pytest.mark.parametrize("rank", [16, 128])
+def test_triton_expand_walks_groups_of_column_tiles(group_tiles, rank, monkeypatch):
+    """Each expand program walks group_tiles column tiles of a slice (the group past a slice's end exits, the last
+    tile is partial); a rank of 128 takes two 64-column steps of z per tile, 16 one step loaded once."""
+    import kernels.lora.triton_ops as triton_module
+
+    monkeypatch.setattr(triton_module, "expand_group_tiles", lambda programs, device: group_tiles)
+    case = make_case(40, 3, rank, "skewed", "wide_out", device=TRITON_DEVICE)
+    y = case.y.clone()
+    triton_module.lora_expand(y, case.expected_z, case.lora_b, case.meta, case.output_slices)
+    assert_rows(y, case.expected_y, case.has_adapter)
+
+
+def test_triton_expand_groups_column_tiles_only_when_programs_are_many(monkeypatch):
+    """132 multiprocessors: one column tile per program up to 4 programs per multiprocessor, then groups, up to 8."""
+    import kernels.lora.triton_ops as triton_module
+
+    monkeypatch.setattr(triton_module, "_multiprocessors", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert triton_module.expand_group_tiles(8 * 96, cuda) == 1  # a decode step's 8 tiles over qkv's 96 column tiles
+    assert triton_module.expand_group_tiles(32 * 128, cuda) == 7  # a 2048-token prefill's gate_up
+    assert triton_module.expand_group_tiles(128 * 128, cuda) == 8
 
 
 def test_triton_shrink_out_splits_h_in_only_when_programs_are_few(monkeypatch):
