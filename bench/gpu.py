@@ -621,6 +621,8 @@ def main(argv: list[str] | None = None) -> dict:
     sections = args.sections.split(",")
     if unknown := set(sections) - set(SECTIONS):
         parser.error(f"unknown sections {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
+    if {"attention", "lora"} & set(sections) and "ceilings" not in sections:
+        sections.append("ceilings")  # their "of copy" figures are read against the device's copy rate
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     smoke = args.smoke or device.type != "cuda"
     if device.type != "cuda":
