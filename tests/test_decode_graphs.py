@@ -122,6 +122,29 @@ def test_padded_decode_steps_match_eager_steps_and_peft(setup):
     assert bm.num_free_blocks == bm.num_blocks and llm.engine.adapter_cache.num_pinned == 0
 
 
+def test_split_k_shrink_and_grouped_expand_match_eager_steps_and_peft(setup, monkeypatch):
+    """The tiny model's LoRA layers with the shrink split into parts of H_in (16 columns a step, as if on a device of
+    64 multiprocessors) and two column tiles per expand program, through the padded buffers and eager prefill
+    steps: the plain kernels' tokens and logprobs, and peft's greedy tokens."""
+    import kernels.lora.triton_ops as triton_ops
+
+    model_dir, peft_model, loras = setup
+    _, expected = generate(engine(model_dir, "cpu"), loras)
+    monkeypatch.setattr(triton_ops, "SHRINK_BLOCK_K", 32)  # 16 fp32 columns a step: 4 steps of the model's H_in 64
+    monkeypatch.setattr(triton_ops, "_multiprocessors", lambda device: 64)
+    monkeypatch.setattr(triton_ops, "expand_group_tiles", lambda programs, device: 2)
+    parts, partials = [], triton_ops._partials
+    monkeypatch.setattr(triton_ops, "_partials", lambda buffer: parts.append(buffer.dim()) or partials(buffer))
+    llm = engine(model_dir, "cpu")
+    runner = llm.engine.runner
+    runner.decode_graphs = runner.make_decode_graphs(llm.engine.max_model_len, capture=False)
+    batch, ours = generate(llm, loras)
+    assert 3 in parts  # some shrinks wrote partial sums
+    assert_same_outputs(ours, expected)
+    for prompt, name, out in zip(batch, NAMES, ours):
+        assert out.outputs[0].token_ids == peft_greedy(peft_model, prompt, name, 8), f"adapter {name}"
+
+
 def test_a_step_the_buffers_cannot_hold_runs_eagerly(setup):
     """Prefill steps, and batches past the largest bucket, take the eager path."""
     model_dir, _, loras = setup
