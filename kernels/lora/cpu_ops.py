@@ -30,10 +30,11 @@ def _native(*tensors: Tensor):
     """The C++ ops where they take these tensors (on the CPU, all float32 or all bfloat16), else None."""
     native = cpu_native.load()
     dtype = tensors[0].dtype
-    if native is None or dtype not in (torch.float32, torch.bfloat16):
+    if native is None or (dtype is not torch.float32 and dtype is not torch.bfloat16):
         return None
-    if any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
-        return None
+    for t in tensors:  # a plain loop over is_cpu: any() over t.device.type cost 6 µs a layer call (4 tensors)
+        if t.dtype is not dtype or not t.is_cpu:
+            return None
     return native
 
 
