@@ -90,6 +90,7 @@ SWEEP_LAUNCHES = ((4, 2), (4, 3), (8, 2), (8, 3))  # (num_warps, num_stages)
 SWEEP_REP = 60  # ms of timed runs per setting
 SPLIT_PARTS = (1, 2, 4, 8, 16)  # the shrink's parts of H_in timed for each LoRA shape
 EXPAND_GROUPS = (1, 2, 4, 8, 16)  # the expand's column tiles per program timed for each LoRA shape
+LORA_KERNELS = ("_shrink_kernel", "_expand_kernel")  # a profiled run's LoRA kernels, by their Triton names
 SMOKE_ATTENTION = [AttentionShape(3, 70, 4, 2, 16, 16)]
 SMOKE_LORA = [LoraShape(5, 2, 8, 64, (64, 32))]
 
@@ -593,6 +594,7 @@ def profile_run(llm, prompts, params, lora, device, path: Path) -> dict:
         "steps": steps,
         "device_busy_s": sum(e.self_device_time_total for e in events) / 1e6,
         "launches_per_step": launches / max(steps, 1),
+        "lora_kernels": kernel_totals(events, LORA_KERNELS),
     }
     table = events.table(sort_by="self_cpu_time_total", row_limit=40)
     by_device = events.table(sort_by="self_device_time_total", row_limit=30) if device.type == "cuda" else ""
@@ -600,6 +602,19 @@ def profile_run(llm, prompts, params, lora, device, path: Path) -> dict:
     print(f"    profiled: {summary}", flush=True)
     print("\n".join(table.splitlines()[:16]), flush=True)
     return summary
+
+
+def kernel_totals(events, names: tuple[str, ...]) -> dict[str, dict]:
+    """{kernel: {"calls", "device_s", "us_per_call"}} for the named kernels among a profile's key_averages()."""
+    return {
+        e.key: {
+            "calls": e.count,
+            "device_s": e.self_device_time_total / 1e6,
+            "us_per_call": e.self_device_time_total / max(e.count, 1),
+        }
+        for e in events
+        if e.key in names
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -29,6 +29,25 @@ def test_smoke_run_of_the_kernel_sections(tmp_path, monkeypatch):
     assert attention["bytes"] == gpu.attention_bytes(gpu.SMOKE_ATTENTION[0], 4) and attention["triton_ms"] > 0
     (lora,) = results["lora"]
     assert lora["rel_error_of_delta"] < 1e-5 and lora["shrink_ms"] > 0 and lora["expand_ms"] > 0
+    assert [row["meta"] for row in lora["split_k"]] == ["plain", "graph"]
+    assert all(row[f"{op}_{parts}"] > 0 for row in lora["split_k"] for op in ("shrink", "expand")
+               for parts in gpu.SPLIT_PARTS)  # fmt: skip
+    assert all(row[f"stages_{stages}_group_{group}"] > 0 for row in lora["expand_groups"] for stages in (2, 3)
+               for group in gpu.EXPAND_GROUPS)  # fmt: skip
+
+
+def test_kernel_totals_sum_the_named_kernels_of_a_profile():
+    from types import SimpleNamespace
+
+    events = [
+        SimpleNamespace(key="_shrink_kernel", count=4, self_device_time_total=40.0),  # µs, as torch.profiler's
+        SimpleNamespace(key="_expand_kernel", count=2, self_device_time_total=50.0),
+        SimpleNamespace(key="nvjet_gemm", count=9, self_device_time_total=900.0),
+    ]
+    assert gpu.kernel_totals(events, gpu.LORA_KERNELS) == {
+        "_shrink_kernel": {"calls": 4, "device_s": 40e-6, "us_per_call": 10.0},
+        "_expand_kernel": {"calls": 2, "device_s": 50e-6, "us_per_call": 25.0},
+    }
 
 
 def test_smoke_run_of_the_engine_section_pairs_interleaved_runs(tmp_path, monkeypatch):
