@@ -14,6 +14,7 @@ when a Triton version's compiled kernel lacks the launcher's inputs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -23,6 +24,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 ALIGN = 16  # Triton specializes a pointer on whether it is a multiple of 16 bytes
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The device's streaming multiprocessors, which the kernels size their grids against (1 off CUDA: Triton's CPU
+    interpreter, where no grid is sized for speed)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class FastLaunch:

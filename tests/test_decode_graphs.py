@@ -131,7 +131,7 @@ def test_split_k_shrink_and_grouped_expand_match_eager_steps_and_peft(setup, mon
     model_dir, peft_model, loras = setup
     _, expected = generate(engine(model_dir, "cpu"), loras)
     monkeypatch.setattr(triton_ops, "SHRINK_BLOCK_K", 32)  # 16 fp32 columns a step: 4 steps of the model's H_in 64
-    monkeypatch.setattr(triton_ops, "_multiprocessors", lambda device: 64)
+    monkeypatch.setattr(triton_ops, "multiprocessors", lambda device: 64)
     monkeypatch.setattr(triton_ops, "expand_group_tiles", lambda programs, device: 2)
     parts, partials = [], triton_ops._partials
     monkeypatch.setattr(triton_ops, "_partials", lambda buffer: parts.append(buffer.dim()) or partials(buffer))

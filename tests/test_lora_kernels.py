@@ -477,7 +477,7 @@ def test_triton_expand_groups_column_tiles_only_when_programs_are_many(monkeypat
     """132 multiprocessors: one column tile per program up to 4 programs per multiprocessor, then groups, up to 8."""
     import kernels.lora.triton_ops as triton_module
 
-    monkeypatch.setattr(triton_module, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(triton_module, "multiprocessors", lambda device: 132)
     cuda = torch.device("cuda")
     assert triton_module.expand_group_tiles(8 * 96, cuda) == 1  # a decode step's 8 tiles over qkv's 96 column tiles
     assert triton_module.expand_group_tiles(32 * 128, cuda) == 7  # a 2048-token prefill's gate_up
@@ -489,7 +489,7 @@ def test_triton_shrink_out_splits_h_in_only_when_programs_are_few(monkeypatch):
     of H_in (at most one per 256-column step, at most 4), a long prefill's many tiles the plain [T, S * R] buffer."""
     import kernels.lora.triton_ops as triton_module
 
-    monkeypatch.setattr(triton_module, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(triton_module, "multiprocessors", lambda device: 132)
     lora_a = torch.empty(16, 48, 2048, dtype=torch.bfloat16)  # [N, S * R, H_in]: 48 columns = 2 column tiles
     decode = LoraMeta.build(torch.arange(64) % 8, "cpu")  # 8 tiles
     z = triton_module.shrink_out(torch.empty(64, 2048, dtype=torch.bfloat16), lora_a, decode)

@@ -329,7 +329,7 @@ def test_triton_split_decode_matches_naive_reference(scenario, block_size, monke
 def test_triton_splits_decode_only_where_the_device_would_idle():
     triton_ops = get_paged_attention("triton")
     cuda = torch.device("cuda")
-    triton_ops._multiprocessors.cache_clear()
+    triton_ops.multiprocessors.cache_clear()
     try:
         with mock.patch("torch.cuda.get_device_properties") as props:
             props.return_value.multi_processor_count = 132
@@ -338,7 +338,7 @@ def test_triton_splits_decode_only_where_the_device_would_idle():
             assert triton_ops.decode_partition(8 * 8, triton_ops.MIN_PARTITION, 64, cuda) is None  # too short
             assert triton_ops.decode_partition(1, 1 << 20, 64, cuda) == (1 << 20) // triton_ops.MAX_PARTS
     finally:
-        triton_ops._multiprocessors.cache_clear()
+        triton_ops.multiprocessors.cache_clear()
     assert triton_ops.decode_partition(8, 8192, 64, torch.device("cpu")) is None  # the interpreter: never
     with mock.patch.object(triton_ops, "DECODE_PARTITION", 0):
         assert triton_ops.decode_partition(8, 8192, 64, cuda) is None  # 0: never split

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..triton_launch import FastLaunch
+from ..triton_launch import FastLaunch, multiprocessors
 from .compose import compose_add_lora
 from .meta import LoraMeta, check_expand, check_shrink
 
@@ -43,7 +43,6 @@ SHRINK_LAUNCH = {"num_warps": 4, "num_stages": 3}
 # 46.2 / 52.4 / 65.1, its gate_up (H_in 2048) 116.6 / 119.7 / 126.2 / 143.5 / 185.1.
 SHRINK_PROGRAMS_PER_SM = 1
 MAX_SHRINK_PARTS = 4
-INTERPRETER_MULTIPROCESSORS = 1  # off CUDA (Triton's CPU interpreter): only explicit partial buffers split
 EXPAND_LAUNCH = {"num_warps": 4, "num_stages": 2}
 # An expand program takes several column tiles while more than EXPAND_PROGRAMS_PER_SM programs per multiprocessor
 # would remain. H100, bf16, µs at 1 / 2 / 4 / 8 / 16 tiles a program: a 2048-token prefill's gate_up (16 adapters,
@@ -91,7 +90,7 @@ def shrink_parts(tiles: int, width: int, x: Tensor) -> int:
     """How many parts of H_in a shrink over `tiles` token tiles splits into: 1 when its programs fill the device."""
     block_n, block_k = _shrink_blocks(width, x)
     programs = tiles * -(-width // block_n)
-    wanted = -(-SHRINK_PROGRAMS_PER_SM * _multiprocessors(x.device) // max(programs, 1))
+    wanted = -(-SHRINK_PROGRAMS_PER_SM * multiprocessors(x.device) // max(programs, 1))
     parts = min(wanted, -(-x.shape[1] // block_k), MAX_SHRINK_PARTS)
     return 1 << (parts.bit_length() - 1)  # a power of two: few expand variants to compile
 
@@ -126,7 +125,7 @@ def expand_group_tiles(programs: int, device: torch.device) -> int:
     """Column tiles per expand program, given the programs one tile each would make: as many as leave about
     EXPAND_PROGRAMS_PER_SM programs per multiprocessor, up to MAX_EXPAND_GROUP_TILES (each program looks its tokens
     up and loads z once for all its tiles)."""
-    return max(1, min(MAX_EXPAND_GROUP_TILES, programs // (EXPAND_PROGRAMS_PER_SM * _multiprocessors(device))))
+    return max(1, min(MAX_EXPAND_GROUP_TILES, programs // (EXPAND_PROGRAMS_PER_SM * multiprocessors(device))))
 
 
 def _partials(buffer: Tensor) -> Tensor:
@@ -143,13 +142,6 @@ def _shrink_blocks(width: int, x: Tensor) -> tuple[int, int]:
     """(output columns, H_in) per shrink program and step; the same bytes of x per step whatever its dtype."""
     block_n = max(MIN_DOT, min(SHRINK_BLOCK_N, triton.next_power_of_2(width)))
     return block_n, max(MIN_DOT, SHRINK_BLOCK_K * 2 // x.element_size())
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_MULTIPROCESSORS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _precision(x: Tensor) -> str:

@@ -9,14 +9,12 @@ Every kernel launches through FastLaunch (kernels/triton_launch.py). Imported on
 chosen.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..triton_launch import FastLaunch
+from ..triton_launch import FastLaunch, multiprocessors
 from .meta import PagedAttentionMeta
 
 PREFILL_BLOCK_M = 64  # query rows per prefill program
@@ -115,17 +113,12 @@ def decode_partition(programs: int, max_context_len: int, block_n: int, device: 
         return max(block_n, triton.cdiv(DECODE_PARTITION, block_n) * block_n) if DECODE_PARTITION else None
     if device.type != "cuda":
         return None
-    wanted_parts = triton.cdiv(PROGRAMS_PER_SM * _multiprocessors(device), programs)
+    wanted_parts = triton.cdiv(PROGRAMS_PER_SM * multiprocessors(device), programs)
     # a power of two: at most the wanted parts, so no second wave of programs (16 seqs of 4096 keys on an H100:
     # 4 parts of 1024 moved 2.44 TB/s, 5 of 832 2.15)
     partition = triton.next_power_of_2(triton.cdiv(max_context_len, min(wanted_parts, MAX_PARTS)))
     partition = max(MIN_PARTITION, block_n, partition)
     return partition if partition < max_context_len else None
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_cache(k_cache: Tensor, v_cache: Tensor, head_dim: int, block_size: int) -> None:
