@@ -4,6 +4,7 @@
                         [--modes base,lora] [--adapters 8] [--model DIR --lora NAME=PATH ...]
                         [--max-loras 16 --max-cpu-loras 32]      (fewer adapter rows than adapters)
                         [--dtype bfloat16]                       (both engines; float32 by default)
+                        [--pairs 3]                              (loraplex's paired LoRA / base; 0: none)
     loraplex bench peer --demo [...]      (the embedded demo's SmolLM2, as an HF directory, and its adapters)
 
 Default workload (W1 of ../shared/peers): the random 56M Llama of `bench engine`, K=8 random rank-8 adapters on
@@ -14,6 +15,10 @@ bench/vllm_driver.py), the two interleaved mode by mode, with --threads threads 
 0..threads-1) and --background-load busy processes running beside both the whole time (each busy
 --background-duty of every 10 ms: 1, all the time, by default). vLLM is never installed
 here: without --vllm-venv only loraplex runs.
+
+Then loraplex's own LoRA / base once more, from --pairs pairs of one-run processes, base and LoRA back to back (the
+first of each pair taking turns), the median of the pairs' ratios: the mode-by-mode runs lie minutes apart, and on a
+host whose speed drifts by 20% in minutes their ratio read 0.78 where pairs read 0.98 (2026-11-27, Zen 3).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench import BenchError
@@ -36,6 +41,7 @@ from engine.cpu_threads import usable_cores
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODES = ("base", "lora")
+PAIRED = "loraplex lora/base (paired)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="both engines' (%(default)s)"
     )
+    parser.add_argument(
+        "--pairs", type=int, default=3, help="loraplex base / LoRA pairs of one-run processes (%(default)s; 0: none)"
+    )
     parser.add_argument("--skip-loraplex", action="store_true", help="vLLM only")
     parser.add_argument("--json", type=Path, default=Path("bench-results/peer.json"))
     return parser
@@ -83,6 +92,8 @@ def compare(args: argparse.Namespace) -> dict:
     vllm_python = vllm_interpreter(args.vllm_venv) if args.vllm_venv else None
     if any(n is not None and n < 1 for n in (args.max_loras, args.max_cpu_loras)):
         raise BenchError("--max-loras and --max-cpu-loras must be positive")
+    if args.pairs < 0:
+        raise BenchError(f"--pairs must be 0 or more, got {args.pairs}")
     workload = PeerWorkload(
         args.num_prompts,
         args.input_len,
@@ -93,6 +104,7 @@ def compare(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
     )
     results: list[dict] = []
+    pairs: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="loraplex-peer-") as tmp:
         model, adapters, rank = prepare_model(args, Path(tmp))
         workload_file = workload.write(Path(tmp) / "workload.json", model, adapters, rank)
@@ -102,7 +114,10 @@ def compare(args: argparse.Namespace) -> dict:
                     results.append(run_loraplex(workload_file, mode, args.threads, args.fixed_threads))
                 if vllm_python:
                     results.append(run_vllm(vllm_python, args, workload_file, mode))
-    summary = summarize(results, args, workload)
+            if not args.skip_loraplex and set(modes) == set(MODES) and adapters:
+                pair_file = replace(workload, runs=1).write(Path(tmp) / "pair-workload.json", model, adapters, rank)
+                pairs = run_pairs(pair_file, args)
+    summary = summarize(results, args, workload, pairs)
     print_summary(summary)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(summary, indent=2))
@@ -157,6 +172,17 @@ def run_loraplex(workload_file: Path, mode: str, threads: int, fixed_threads: bo
     return run_driver(command, dict(os.environ), "loraplex", mode)
 
 
+def run_pairs(pair_file: Path, args: argparse.Namespace) -> list[dict[str, float]]:
+    """--pairs pairs of loraplex runs, base and LoRA back to back, one run per process, the first of each pair
+    taking turns (so a steady drift favours neither mode): [{mode: output tok/s}] per pair."""
+    pairs = []
+    for i in range(args.pairs):
+        order = MODES if i % 2 == 0 else MODES[::-1]
+        runs = {mode: run_loraplex(pair_file, mode, args.threads, args.fixed_threads) for mode in order}
+        pairs.append({mode: runs[mode]["output_tok_s"] for mode in MODES})
+    return pairs
+
+
 def run_vllm(python: Path, args: argparse.Namespace, workload_file: Path, mode: str) -> dict:
     command = [str(python), str(REPO_ROOT / "bench" / "vllm_driver.py"), "--workload", str(workload_file)]
     command += ["--threads-bind", f"0-{args.threads - 1}" if args.threads > 1 else "0"]
@@ -191,7 +217,9 @@ def run_driver(command: list, env: dict, system: str, mode: str) -> dict:
     return result
 
 
-def summarize(results: list[dict], args: argparse.Namespace, workload: PeerWorkload) -> dict:
+def summarize(
+    results: list[dict], args: argparse.Namespace, workload: PeerWorkload, pairs: list[dict[str, float]] = ()
+) -> dict:
     tok_s = {(r["system_name"], r["mode"]): r["output_tok_s"] for r in results}
     ratios = {}
     for mode in MODES:
@@ -200,6 +228,8 @@ def summarize(results: list[dict], args: argparse.Namespace, workload: PeerWorkl
     for system in ("loraplex", "vllm"):
         if (system, "lora") in tok_s and (system, "base") in tok_s:
             ratios[f"{system} lora/base"] = tok_s[system, "lora"] / tok_s[system, "base"]
+    if pairs:
+        ratios[PAIRED] = statistics.median(pair["lora"] / pair["base"] for pair in pairs)
     return {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{usable_cores()} usable cores",
@@ -209,6 +239,7 @@ def summarize(results: list[dict], args: argparse.Namespace, workload: PeerWorkl
         "loraplex_threads": "fixed" if args.fixed_threads else "adaptive",
         "workload": {**asdict(workload), "adapters": len(args.lora) if args.model else args.adapters},
         "results": results,
+        "pairs": list(pairs),  # [{mode: output tok/s}]: loraplex's base and LoRA runs back to back
         "ratios": ratios,
     }
 
@@ -222,7 +253,10 @@ def print_summary(summary: dict) -> None:
     for r in summary["results"]:
         print(f"{r['system_name']:<12}{r['mode']:<6}{r['output_tok_s']:>10.1f}{r['wall_s']:>10.2f}")
     for name, value in summary["ratios"].items():
-        print(f"{name:<24}{value:>6.2f}")
+        print(f"{name:<32}{value:>6.2f}")
+    if summary["pairs"]:
+        ratios = ", ".join(f"{p['lora']:.1f}/{p['base']:.1f}" for p in summary["pairs"])
+        print(f"  {PAIRED}: the median of lora/base tok/s {ratios}")
 
 
 if __name__ == "__main__":

@@ -142,7 +142,10 @@ def test_peer_compares_both_systems_mode_by_mode_as_ratios(model, tmp_path, monk
     base, adapters = model
     argv = ["--model", str(base), *(f"--lora={n}={p}" for n, p in adapters), "--vllm-venv", str(venv)]
     argv += ["--num-prompts", "3", "--input-len", "8", "--output-len", "3", "--runs", "1", "--threads", "1"]
-    summary = peer.main([*argv, "--json", str(tmp_path / "peer.json")])
+    drivers = []  # (system, mode) of each driver process, in the order they ran
+    run_driver = peer.run_driver
+    monkeypatch.setattr(peer, "run_driver", lambda *a: drivers.append(a[2:]) or run_driver(*a))
+    summary = peer.main([*argv, "--pairs", "1", "--json", str(tmp_path / "peer.json")])
     rows = {(r["system_name"], r["mode"]): r for r in summary["results"]}
     assert set(rows) == {("loraplex", "base"), ("vllm", "base"), ("loraplex", "lora"), ("vllm", "lora")}
     assert all(r["output_tokens"] == 9 for r in rows.values())
@@ -153,8 +156,31 @@ def test_peer_compares_both_systems_mode_by_mode_as_ratios(model, tmp_path, monk
         "loraplex/vllm lora",
         "loraplex lora/base",
         "vllm lora/base",
+        "loraplex lora/base (paired)",
     }
+    # the pair follows the mode-by-mode runs: loraplex only, base and LoRA back to back, each its own process
+    assert drivers[4:] == [("loraplex", "base"), ("loraplex", "lora")]
+    [pair] = summary["pairs"]
+    assert set(pair) == {"base", "lora"} and min(pair.values()) > 0
+    assert summary["ratios"]["loraplex lora/base (paired)"] == pytest.approx(pair["lora"] / pair["base"])
     assert json.loads((tmp_path / "peer.json").read_text())["ratios"] == summary["ratios"]
+
+
+def test_pairs_take_turns_going_first_and_their_median_ratio_counts(monkeypatch, tmp_path):
+    speeds = iter([100.0, 90.0, 80.0, 100.0, 100.0, 50.0])  # tok/s of each run, in the order the runs start
+    started = []
+
+    def run_loraplex(workload_file, mode, threads, fixed_threads):
+        started.append(mode)
+        return {"output_tok_s": next(speeds)}
+
+    monkeypatch.setattr(peer, "run_loraplex", run_loraplex)
+    args = peer.build_parser().parse_args(["--pairs", "3", "--threads", "1"])
+    pairs = peer.run_pairs(tmp_path / "pair-workload.json", args)
+    assert started == ["base", "lora", "lora", "base", "base", "lora"]
+    assert pairs == [{"base": 100.0, "lora": 90.0}, {"base": 100.0, "lora": 80.0}, {"base": 100.0, "lora": 50.0}]
+    summary = peer.summarize([], args, PeerWorkload(1, 1, 1, 1), pairs)
+    assert summary["ratios"] == {"loraplex lora/base (paired)": pytest.approx(0.8)}  # of 0.9, 0.8 and 0.5
 
 
 def test_peer_names_a_venv_without_vllm_and_bad_modes(tmp_path):
@@ -166,6 +192,8 @@ def test_peer_names_a_venv_without_vllm_and_bad_modes(tmp_path):
         peer.vllm_interpreter(tmp_path)
     with pytest.raises(SystemExit, match="--modes takes base and lora"):
         peer.main(["--modes", "fast"])
+    with pytest.raises(SystemExit, match="--pairs must be 0 or more, got -1"):
+        peer.main(["--pairs", "-1"])
 
 
 def test_server_thread_cpu_reads_the_main_and_the_engine_threads():
