@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -218,7 +219,7 @@ def run_driver(command: list, env: dict, system: str, mode: str) -> dict:
 
 
 def summarize(
-    results: list[dict], args: argparse.Namespace, workload: PeerWorkload, pairs: list[dict[str, float]] = ()
+    results: list[dict], args: argparse.Namespace, workload: PeerWorkload, pairs: Sequence[dict[str, float]] = ()
 ) -> dict:
     tok_s = {(r["system_name"], r["mode"]): r["output_tok_s"] for r in results}
     ratios = {}
