@@ -93,9 +93,14 @@ class Generation:
         return "completed" if self.completed else "failed" if self.failed else "aborted"
 
     async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, delta) as the engine makes them; usage reported when the iteration ends."""
+        """(prompt index, delta) as the engine makes them; usage reported when the iteration ends. One prompt's
+        deltas come straight from its engine stream (no merging generator in between: each layer costs the event
+        loop time per streamed token)."""
+        single = len(self.requests) == 1
+        source = self.engine.generate(self.requests[0]) if single else self._merged()
         try:
-            async for i, out in self._merged():
+            async for item in source:
+                i, out = (0, item) if single else item
                 self.usage.completion_tokens += out.num_completion_tokens
                 self._cached[i] = out.num_cached_tokens
                 self._finished[i] = out.finished
@@ -105,6 +110,8 @@ class Generation:
             self.failed = True
             raise engine_error(e) from None
         finally:
+            with contextlib.suppress(EngineStopped):  # an unfinished engine stream aborts its request, if it can
+                await source.aclose()
             self.usage.cached_tokens = sum(self._cached)
             await self.report()
 
@@ -118,10 +125,7 @@ class Generation:
             await asyncio.shield(self.on_done(self.usage, self.completed))
 
     async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        if len(self.requests) == 1:
-            async for out in self.engine.generate(self.requests[0]):
-                yield 0, out
-            return
+        """Several prompts' engine streams as one, each delta with its prompt's index."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, request: EngineRequest) -> None:

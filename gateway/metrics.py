@@ -12,6 +12,7 @@ the base model (registry names start with a letter or digit, so neither can coll
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -193,13 +194,13 @@ class ErrorCounter:
             return
         started = False
 
-        async def counted_send(message) -> None:
+        def counted_send(message) -> Awaitable[None]:  # send's own awaitable: no coroutine of its own per chunk
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
                 if message["status"] >= 400:
                     metrics.count_error(message["status"])
-            await send(message)
+            return send(message)
 
         try:
             await self.app(scope, receive, counted_send)

@@ -6,14 +6,36 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Callable
 
 from engine.interface import TokenLogprob
 
 SSE_DONE = "data: [DONE]\n\n"
+_JSON = json.JSONEncoder(separators=(",", ":"))  # one for every chunk: json.dumps with options builds one a call
+_TEXT_SLOT = "\x00loraplex:text\x00"  # stands for a chunk's text in TextChunks' templates
+_ENCODED_TEXT_SLOT = _JSON.encode(_TEXT_SLOT)
 
 
 def sse(data: dict) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+    return f"data: {_JSON.encode(data)}\n\n"
+
+
+class TextChunks:
+    """A stream's SSE chunks that carry only text (no logprobs, finish reason or usage), from one template per
+    choice index: `make(index, text)`, the chunk's dict, is encoded once with a slot for the text and split around
+    it, so each chunk JSON-encodes only its text, not the whole dict (json.dumps took 13% of the event loop's time
+    at 64 streams). Byte for byte `sse(make(index, text))`."""
+
+    def __init__(self, make: Callable[[int, str], dict]):
+        self._make = make
+        self._templates: dict[int, tuple[str, str]] = {}  # index -> (before the text, after it)
+
+    def __call__(self, index: int, text: str) -> str:
+        template = self._templates.get(index)
+        if template is None:
+            before, after = sse(self._make(index, _TEXT_SLOT)).split(_ENCODED_TEXT_SLOT)
+            template = self._templates[index] = (before, after)
+        return template[0] + _JSON.encode(text) + template[1]
 
 
 def new_id(prefix: str) -> str:

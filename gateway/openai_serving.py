@@ -9,7 +9,7 @@ response starts.
 from __future__ import annotations
 
 import copy
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -22,7 +22,16 @@ from gateway.chat_templates import ChatTemplates
 from gateway.errors import APIError, error_body
 from gateway.generation import Generation, UsageCallback, until_disconnect
 from gateway.metrics import GatewayMetrics
-from gateway.openai_format import SSE_DONE, TokenText, chat_logprobs, completion_logprobs, new_id, now, sse
+from gateway.openai_format import (
+    SSE_DONE,
+    TextChunks,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    new_id,
+    now,
+    sse,
+)
 from gateway.prompt_encoder import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.request_limits import RequestLimits
@@ -66,6 +75,16 @@ class _Choice:
     logprobs: list | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class Primed:
+    """A started stream: its first delta (None if it ended without one) and the rest. The chunk loops read the two
+    in turn (`await anext(rest, None)`) rather than through a generator that joins them: every layer of generators
+    costs the event loop time per streamed token."""
+
+    first: tuple[int, RequestOutput] | None
+    rest: AsyncGenerator[tuple[int, RequestOutput], None]
 
 
 def _is_empty(delta: CompletionOutput) -> bool:
@@ -120,7 +139,7 @@ class OpenAIServing:
         return generation
 
     @staticmethod
-    async def _primed(generation: Generation) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _primed(generation: Generation) -> Primed:
         """Starts the generation and waits for its first delta, so that an early failure is a plain 4xx."""
         stream = generation.stream()
         try:
@@ -130,17 +149,7 @@ class OpenAIServing:
         except BaseException:
             await stream.aclose()
             raise
-
-        async def resumed() -> AsyncIterator[tuple[int, RequestOutput]]:
-            try:
-                if first is not None:
-                    yield first
-                async for item in stream:
-                    yield item
-            finally:
-                await stream.aclose()
-
-        return resumed()
+        return Primed(first, stream)
 
     @staticmethod
     def _collect(choices: dict[int, _Choice], index: int, delta) -> None:
@@ -215,37 +224,47 @@ class OpenAIServing:
             headers=load_headers(generation),
         )
 
-    async def _completion_chunks(self, stream, generation: Generation, head: dict, body: CompletionRequest):
+    async def _completion_chunks(self, primed: Primed, generation: Generation, head: dict, body: CompletionRequest):
+        def chunk(index: int, text: str, logprobs=None, finish_reason=None, stop_reason=None) -> dict:
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+            return {**head, "choices": [choice]}
+
+        continuous_usage = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+        text_chunk = TextChunks(chunk)
         offsets: dict[int, int] = {}
         try:
-            async for i, out in stream:
+            item = primed.first
+            while item is not None:
+                i, out = item
                 for delta in out.outputs:
                     if _is_empty(delta):
                         continue
                     index = i * body.n + delta.index
+                    if delta.logprobs is None and delta.finish_reason is None and not continuous_usage:
+                        offsets[index] = offsets.get(index, 0) + len(delta.text)
+                        yield text_chunk(index, delta.text)
+                        continue
                     logprobs = None
                     if delta.logprobs is not None:
                         logprobs = completion_logprobs(delta.logprobs, self.token_text, offsets.get(index, 0))
                     offsets[index] = offsets.get(index, 0) + len(delta.text)
-                    chunk = {
-                        **head,
-                        "choices": [
-                            {
-                                "index": index,
-                                "text": delta.text,
-                                "logprobs": logprobs,
-                                "finish_reason": delta.finish_reason,
-                                "stop_reason": delta.stop_reason,
-                            }
-                        ],
-                    }
-                    if body.stream_options and body.stream_options.continuous_usage_stats:
-                        chunk["usage"] = generation.usage.to_dict()
-                    yield sse(chunk)
+                    data = chunk(index, delta.text, logprobs, delta.finish_reason, delta.stop_reason)
+                    if continuous_usage:
+                        data["usage"] = generation.usage.to_dict()
+                    yield sse(data)
+                item = await anext(primed.rest, None)
             if body.include_usage:
                 yield sse({**head, "choices": [], "usage": generation.usage.to_dict()})
         except APIError as e:
             yield await self._error_chunk(e)
+        finally:
+            await primed.rest.aclose()
         yield SSE_DONE
 
     # ---- chat ----------------------------------------------------------------------------------------
@@ -293,28 +312,41 @@ class OpenAIServing:
             headers=load_headers(generation),
         )
 
-    async def _chat_chunks(self, stream, generation: Generation, head: dict, body: ChatCompletionRequest):
-        def chunk(index: int, delta: dict, finish_reason=None, logprobs=None) -> str:
-            data = {
+    async def _chat_chunks(self, primed: Primed, generation: Generation, head: dict, body: ChatCompletionRequest):
+        def chunk(index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
+            return {
                 **head,
                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
             }
-            if body.stream_options and body.stream_options.continuous_usage_stats:
+
+        continuous_usage = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+        text_chunk = TextChunks(lambda index, text: chunk(index, {"content": text}))
+
+        def event(index: int, delta: dict, finish_reason=None, logprobs=None) -> str:
+            data = chunk(index, delta, finish_reason, logprobs)
+            if continuous_usage:
                 data["usage"] = generation.usage.to_dict()
             return sse(data)
 
         try:
             for index in range(body.n):
-                yield chunk(index, {"role": "assistant", "content": ""})
-            async for _, out in stream:
-                for delta in out.outputs:
+                yield event(index, {"role": "assistant", "content": ""})
+            item = primed.first
+            while item is not None:
+                for delta in item[1].outputs:
                     if _is_empty(delta):
+                        continue
+                    if delta.logprobs is None and delta.finish_reason is None and not continuous_usage:
+                        yield text_chunk(delta.index, delta.text)  # not empty: it has text
                         continue
                     logprobs = chat_logprobs(delta.logprobs, self.token_text) if delta.logprobs is not None else None
                     content = {"content": delta.text} if delta.text else {}
-                    yield chunk(delta.index, content, delta.finish_reason, logprobs)
+                    yield event(delta.index, content, delta.finish_reason, logprobs)
+                item = await anext(primed.rest, None)
             if body.include_usage:
                 yield sse({**head, "choices": [], "usage": generation.usage.to_dict()})
         except APIError as e:
             yield await self._error_chunk(e)
+        finally:
+            await primed.rest.aclose()
         yield SSE_DONE

@@ -168,6 +168,29 @@ def test_n_samples_and_several_prompts_and_logprobs(server, tokenizer):
     assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
 
 
+def test_streamed_samples_of_several_prompts_match_the_request_unstreamed(server):
+    """Two prompts x n = 2 seeded samples (completions), and n = 2 chat samples: each choice's streamed text (its
+    chunks told apart by their index) is the text of the same request unstreamed, run alone the same way."""
+    api = sync_client(server)
+    seeded = {"max_tokens": 6, "temperature": 1.0, "seed": 11, "n": 2, "extra_body": EXACT}
+    unstreamed = api.completions.create(model="poem", prompt=PROMPTS[:2], **seeded)
+    streamed: dict[int, str] = {}
+    for chunk in api.completions.create(model="poem", prompt=PROMPTS[:2], stream=True, **seeded):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {c.index: c.text for c in unstreamed.choices}
+    assert len(streamed) == 4 and len(set(streamed.values())) > 1
+
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    unstreamed_chat = api.chat.completions.create(model="chat", messages=messages, **seeded)
+    streamed = {}
+    for chunk in api.chat.completions.create(model="chat", messages=messages, stream=True, **seeded):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert streamed == {c.index: c.message.content for c in unstreamed_chat.choices}
+    assert len(streamed) == 2
+
+
 def test_a_client_that_disconnects_mid_stream_aborts_its_request(server):
     body = {"model": "sql", "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http, http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
