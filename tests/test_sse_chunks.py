@@ -9,7 +9,7 @@ import pytest
 
 from gateway.openai_format import TextChunks, sse
 
-HEAD = {"id": "cmpl-1", "object": "text_completion", "created": 1_700_000_000, "model": "sql/ünï \"q\""}
+HEAD = {"id": "cmpl-1", "object": "text_completion", "created": 1_700_000_000, "model": 'sql/ünï "q"'}
 TEXTS = [
     "",
     "plain",
