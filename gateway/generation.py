@@ -110,10 +110,12 @@ class Generation:
             self.failed = True
             raise engine_error(e) from None
         finally:
-            with contextlib.suppress(EngineStopped):  # an unfinished engine stream aborts its request, if it can
-                await source.aclose()
-            self.usage.cached_tokens = sum(self._cached)
-            await self.report()
+            try:
+                with contextlib.suppress(EngineStopped):  # an unfinished engine stream aborts its request, if it can
+                    await source.aclose()
+            finally:  # reported even when a cancellation reaches the abort
+                self.usage.cached_tokens = sum(self._cached)
+                await self.report()
 
     async def report(self) -> None:
         if self._reported:
