@@ -32,6 +32,11 @@ MODEL_56M = dict(
     num_key_value_heads=4,
     max_position_embeddings=2048,
 )
+# The same Llama cut to one layer of width 64 (the same vocabulary and tokenizer): its engine costs next to nothing,
+# so what a server spends on it is its gateway's own (HTTP, SSE, accounting, the event loop).
+MODEL_TINY = dict(
+    MODEL_56M, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
+)
 
 
 def build_model(directory: Path, seed: int = 0, config: dict = MODEL_56M):

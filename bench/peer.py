@@ -137,15 +137,24 @@ def vllm_interpreter(venv: Path) -> Path:
 
 
 def add_model_options(parser: argparse.ArgumentParser, adapters: int = 8) -> None:
-    """What `prepare_model` reads: a model and its adapters, or K random rank-R adapters on the random 56M Llama."""
+    """What `prepare_model` reads: a model and its adapters, or K random rank-R adapters on the random 56M Llama (or
+    its one-layer cut, --tiny)."""
     parser.add_argument("--model", type=Path, help="a model directory instead of the random 56M Llama")
     parser.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="an adapter of --model")
     parser.add_argument("--adapters", type=int, default=adapters, help="K random adapters (%(default)s)")
     parser.add_argument("--rank", type=int, default=8, help="of the random adapters (%(default)s)")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the random Llama cut to one layer of width 64: the engine costs next to nothing, so a server's "
+        "figures (its event loop's CPU a token) are the gateway's own",
+    )
 
 
 def prepare_model(args: argparse.Namespace, tmp: Path) -> tuple[Path, list[tuple[str, str]], int]:
     """(model directory, [(adapter name, path)], max rank): the given model and adapters, or random ones."""
+    if args.model and args.tiny:
+        raise BenchError("--tiny cuts the random Llama down; it does not apply to a --model")
     if args.model:
         from adapters.ref import parse_lora_module
 
@@ -154,10 +163,10 @@ def prepare_model(args: argparse.Namespace, tmp: Path) -> tuple[Path, list[tuple
         except ValueError as e:
             raise BenchError(str(e)) from None
         return args.model, adapters, max([adapter_rank(Path(p)) for _, p in adapters], default=args.rank)
-    from bench.engine import build_model
+    from bench.engine import MODEL_56M, MODEL_TINY, build_model
     from bench.lora import make_adapters
 
-    hf_model = build_model(tmp / "base")
+    hf_model = build_model(tmp / "base", config=MODEL_TINY if args.tiny else MODEL_56M)
     loras = make_adapters(hf_model, tmp, args.adapters, args.rank) if args.adapters else []
     return tmp / "base", [(lora.adapter_id, lora.path) for lora in loras], args.rank
 

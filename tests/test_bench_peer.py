@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -284,3 +285,55 @@ def test_replicas_compares_adapter_routing_with_round_robin_on_the_same_requests
     assert (tmp_path / "replica_routing.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="--routing takes"):
         replicas.main([*argv, "--routing", "random"])
+
+
+def test_tiny_is_the_random_llama_cut_to_one_layer_and_not_for_a_given_model(tmp_path):
+    """`--tiny` (peer, latency, replicas): the random Llama with one layer of width 64 and the same vocabulary, its
+    random adapters fitted to it; it cuts the random model only, so with --model it is refused, named."""
+    import argparse
+
+    from bench.engine import MODEL_56M
+
+    parser = argparse.ArgumentParser()
+    peer.add_model_options(parser)
+    model, adapters, rank = peer.prepare_model(parser.parse_args(["--tiny", "--adapters", "2"]), tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"]) == (1, 64)
+    assert config["vocab_size"] == MODEL_56M["vocab_size"]
+    assert len(adapters) == 2 and rank == 8
+    assert all(peer.adapter_rank(Path(path)) == 8 for _, path in adapters)
+    default = peer.prepare_model(parser.parse_args(["--adapters", "0"]), tmp_path / "default")[0]
+    assert json.loads((default / "config.json").read_text())["num_hidden_layers"] == MODEL_56M["num_hidden_layers"]
+    with pytest.raises(BenchError, match="--tiny"):
+        peer.prepare_model(parser.parse_args(["--tiny", "--model", str(model)]), tmp_path)
+
+
+@pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="the kernel keeps no schedstat")
+def test_a_threads_cpu_is_read_to_the_nanosecond_where_the_kernel_keeps_it():
+    """13 ms burned by a thread (read once it waits, so its count is settled) read as 13 ms, not as one or two 10 ms
+    clock ticks."""
+    from bench import latency
+
+    native_id, burned, release = [], threading.Event(), threading.Event()
+
+    def worker() -> None:
+        native_id.append(threading.get_native_id())
+        end = time.thread_time() + 0.013
+        while time.thread_time() < end:
+            pass
+        burned.set()
+        release.wait(30)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert burned.wait(30)
+    task = Path(f"/proc/{os.getpid()}/task/{native_id[0]}")
+    for _ in range(3000):  # until it sleeps in release.wait: its count is brought up to date when it leaves the CPU
+        if (task / "stat").read_text().rsplit(")", 1)[1].split()[0] == "S":
+            break
+        time.sleep(0.001)
+    try:
+        assert 0.013 <= latency.thread_cpu_s(task) < 0.016
+    finally:
+        release.set()
+        thread.join()
