@@ -87,6 +87,11 @@ class Primed:
     rest: AsyncGenerator[tuple[int, RequestOutput], None]
 
 
+def _text_only(delta: CompletionOutput) -> bool:
+    """A delta whose chunk holds its text alone (no logprobs, no finish reason): TextChunks writes it."""
+    return delta.logprobs is None and delta.finish_reason is None
+
+
 def _is_empty(delta: CompletionOutput) -> bool:
     """A delta with nothing to send (text held back, say for a stop string): no chunk is streamed for it."""
     return not delta.text and delta.finish_reason is None and not delta.logprobs
@@ -246,14 +251,14 @@ class OpenAIServing:
                     if _is_empty(delta):
                         continue
                     index = i * body.n + delta.index
-                    if delta.logprobs is None and delta.finish_reason is None and not continuous_usage:
-                        offsets[index] = offsets.get(index, 0) + len(delta.text)
+                    offset = offsets.get(index, 0)
+                    offsets[index] = offset + len(delta.text)
+                    if _text_only(delta) and not continuous_usage:
                         yield text_chunk(index, delta.text)
                         continue
                     logprobs = None
                     if delta.logprobs is not None:
-                        logprobs = completion_logprobs(delta.logprobs, self.token_text, offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + len(delta.text)
+                        logprobs = completion_logprobs(delta.logprobs, self.token_text, offset)
                     data = chunk(index, delta.text, logprobs, delta.finish_reason, delta.stop_reason)
                     if continuous_usage:
                         data["usage"] = generation.usage.to_dict()
@@ -336,7 +341,7 @@ class OpenAIServing:
                 for delta in item[1].outputs:
                     if _is_empty(delta):
                         continue
-                    if delta.logprobs is None and delta.finish_reason is None and not continuous_usage:
+                    if _text_only(delta) and not continuous_usage:
                         yield text_chunk(delta.index, delta.text)  # not empty: it has text
                         continue
                     logprobs = chat_logprobs(delta.logprobs, self.token_text) if delta.logprobs is not None else None
