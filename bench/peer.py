@@ -38,6 +38,7 @@ from pathlib import Path
 from bench import BenchError
 from bench.background_load import background_load
 from bench.peer_workload import PeerWorkload
+from bench.process_group import run_in_group
 from engine.cpu_threads import usable_cores
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -214,7 +215,7 @@ def default_vllm_preload(venv: Path) -> str:
 
 def run_driver(command: list, env: dict, system: str, mode: str) -> dict:
     print(f"[{time.strftime('%H:%M:%S')}] {system} {mode}: {' '.join(map(str, command))}", flush=True)
-    proc = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=3600)
+    proc = run_in_group(command, env, REPO_ROOT, timeout_s=3600)  # vLLM's engine core and worker die with it
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])

@@ -306,6 +306,10 @@ def main(argv: list[str] | None = None) -> None:
     if extra and getattr(args, "command", None) != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.bench_args = extra
+    if args.command == "bench":  # SIGTERM runs the finally blocks that stop its servers and driver processes
+        from bench.process_group import exit_on_sigterm
+
+        exit_on_sigterm()
     level = args.log_level or os.environ.get("LORAPLEX_LOG_LEVEL") or "info"
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))  # no line per request
