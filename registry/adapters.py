@@ -6,6 +6,7 @@ adapter. "Latest" is the most recently registered version of a name.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Final
 
@@ -49,6 +50,7 @@ class AdapterRegistry:
         self.marker = marker  # where set, `get` keeps what it resolved until the database changes
         self._resolved: dict[tuple[str, str | None, str | None], Adapter] = {}
         self._resolved_at: int | None = None  # the marker's value when `_resolved` was filled
+        self._lookups: dict[tuple[tuple[str, str | None, str | None], int | None], asyncio.Future] = {}  # in flight
 
     @staticmethod
     def _visible(query: Select, tenant: str | None) -> Select:
@@ -66,7 +68,7 @@ class AdapterRegistry:
                 await session.commit()
             except IntegrityError as e:
                 await session.rollback()
-                if await self.get(adapter.name, adapter.version, ALL_TENANTS) is not None:
+                if await self._lookup(adapter.name, adapter.version, ALL_TENANTS) is not None:  # after the clash
                     raise AdapterExists(f"adapter '{adapter.adapter_id}' is already registered") from e
                 raise
         return adapter
@@ -82,6 +84,10 @@ class AdapterRegistry:
 
         With a marker, an adapter found is kept until the marker says the database changed (read before the query,
         so a change during it only costs one more query); a miss is not kept, so unknown names cannot grow the cache.
+        Lookups of one key at once share one query (a burst of 64 requests for one adapter made 60 queries, ~0.85
+        ms of the event loop each): with a marker only while it reads the same, so a change committed before a
+        request arrived is still seen by it; without one (PostgreSQL) a request may take the answer of a query
+        that started before it arrived, a race with a concurrent change that it could have lost anyway.
         """
         key = (name, version, tenant)
         marker = self.marker.read() if self.marker is not None else None
@@ -91,16 +97,29 @@ class AdapterRegistry:
                 self._resolved_at = marker
             elif (adapter := self._resolved.get(key)) is not None:
                 return adapter
-        query = self._visible(select(Adapter).where(Adapter.name == name), tenant)
-        if version is not None:
-            query = query.where(Adapter.version == version)
-        async with self.sessions() as session:
-            adapter = (await session.scalars(query.order_by(Adapter.id.desc()).limit(1))).first()
+        lookup = self._lookups.get((key, marker))
+        if lookup is None:
+            lookup = self._lookups[key, marker] = asyncio.ensure_future(self._lookup(name, version, tenant))
+            lookup.add_done_callback(lambda done: self._landed(key, marker, done))
+        adapter = await asyncio.shield(lookup)  # a caller that goes away leaves it running for the others
         if adapter is not None and marker is not None and marker == self._resolved_at:
             if len(self._resolved) >= MAX_RESOLVED:
                 self._resolved.clear()
             self._resolved[key] = adapter
         return adapter
+
+    def _landed(self, key, marker: int | None, lookup: asyncio.Future) -> None:
+        del self._lookups[key, marker]
+        if not lookup.cancelled():
+            lookup.exception()  # retrieved: a failure every caller stopped waiting for is not logged as lost
+
+    async def _lookup(self, name: str, version: str | None, tenant: str | None) -> Adapter | None:
+        """One query: `get` without what it keeps or shares."""
+        query = self._visible(select(Adapter).where(Adapter.name == name), tenant)
+        if version is not None:
+            query = query.where(Adapter.version == version)
+        async with self.sessions() as session:
+            return (await session.scalars(query.order_by(Adapter.id.desc()).limit(1))).first()
 
     async def list(self, tenant: str | None, name: str | None = None, latest_only: bool = False) -> list[Adapter]:
         """Adapters `tenant` may see, by name then registration order (only each name's latest if asked)."""

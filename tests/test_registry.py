@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import multiprocessing
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -223,6 +224,65 @@ def test_a_sqlite_registry_keeps_resolved_adapters_until_any_connection_commits(
             assert (await here.adapters.get("sql", "1", None)).digest == "sha256:new-weights"
             await here.adapters.delete("mine", None, ALL_TENANTS)  # this process's own writes count too
             assert await here.adapters.get("mine", "1", "acme") is None
+        finally:
+            await here.close()
+            await replica.close()
+
+    run(scenario())
+
+
+def test_a_burst_of_lookups_of_one_adapter_makes_one_query(migrated):
+    """64 requests naming one adapter at once: one query answers them all (on PostgreSQL too, which keeps nothing
+    between lookups), each caller's tenant view apart, and a caller that goes away does not fail the others."""
+
+    async def scenario():
+        database = RegistryDatabase(migrated)
+        selects = []
+        event.listen(
+            database.engine.sync_engine,
+            "before_cursor_execute",
+            lambda *args: selects.append(args[2]) if args[2].lstrip().startswith("SELECT") else None,
+        )
+        try:
+            await database.tenants.add(Tenant(name="acme-burst"))
+            await database.adapters.add(row("burst", "1"))
+            await database.adapters.add(row("burst", "2", owner="acme-burst"))
+            selects.clear()
+            impatient = asyncio.ensure_future(database.adapters.get("burst", None, None))
+            await asyncio.sleep(0)  # its lookup has started
+            found = await asyncio.gather(
+                *(database.adapters.get("burst", None, None) for _ in range(63)),
+                *(database.adapters.get("burst", None, "acme-burst") for _ in range(8)),
+            )
+            impatient.cancel()
+            assert {a.version for a in found[:63]} == {"1"} and {a.version for a in found[63:]} == {"2"}
+            assert len(selects) == 2  # one per tenant view
+        finally:
+            await database.adapters.delete("burst", None, ALL_TENANTS)
+            await database.close()
+
+    run(scenario())
+
+
+def test_a_lookup_started_before_a_commit_answers_no_one_who_came_after_it(tmp_path):
+    """On SQLite, a lookup is shared only while the change marker reads the same: a request that arrives after
+    another connection committed queries again."""
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    db.upgrade(url)
+
+    async def scenario():
+        here, replica = RegistryDatabase(url), RegistryDatabase(url)
+        selects = []
+        event.listen(here.engine.sync_engine, "before_cursor_execute", lambda *args: selects.append(args[2]))
+        try:
+            await replica.adapters.add(row("moving", "1"))
+            earlier = asyncio.ensure_future(here.adapters.get("moving", None, None))
+            await asyncio.sleep(0)  # its lookup is in flight under the marker of that moment
+            with sqlite3.connect(tmp_path / "registry.db") as other:  # a commit by another process, at once
+                other.execute("DELETE FROM adapters WHERE name = 'moving'")
+            assert await here.adapters.get("moving", None, None) is None
+            await earlier
+            assert len(selects) == 2
         finally:
             await here.close()
             await replica.close()
