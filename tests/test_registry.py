@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import multiprocessing
 import sqlite3
 from pathlib import Path
@@ -193,6 +194,19 @@ def test_the_gateway_holds_no_sql():
     assert not offenders, offenders
 
 
+@contextlib.asynccontextmanager
+async def _two_gateways(url: str):
+    """Two gateways' registries on one migrated SQLite file, and the statements the first one sends."""
+    here, replica = RegistryDatabase(url), RegistryDatabase(url)
+    statements = []
+    event.listen(here.engine.sync_engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    try:
+        yield here, replica, statements
+    finally:
+        await here.close()
+        await replica.close()
+
+
 def test_a_sqlite_registry_keeps_resolved_adapters_until_any_connection_commits(tmp_path):
     """Two gateways on one SQLite file: lookups are answered without SQL while nothing changed, and a delete or a
     re-register by the other one is seen by the very next lookup."""
@@ -200,10 +214,7 @@ def test_a_sqlite_registry_keeps_resolved_adapters_until_any_connection_commits(
     db.upgrade(url)
 
     async def scenario():
-        here, replica = RegistryDatabase(url), RegistryDatabase(url)
-        statements = []
-        event.listen(here.engine.sync_engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
-        try:
+        async with _two_gateways(url) as (here, replica, statements):
             await replica.tenants.add(Tenant(name="acme"))
             await replica.adapters.add(row("sql", "1"))
             await replica.adapters.add(row("mine", "1", owner="acme"))
@@ -224,9 +235,6 @@ def test_a_sqlite_registry_keeps_resolved_adapters_until_any_connection_commits(
             assert (await here.adapters.get("sql", "1", None)).digest == "sha256:new-weights"
             await here.adapters.delete("mine", None, ALL_TENANTS)  # this process's own writes count too
             assert await here.adapters.get("mine", "1", "acme") is None
-        finally:
-            await here.close()
-            await replica.close()
 
     run(scenario())
 
@@ -271,10 +279,7 @@ def test_a_lookup_started_before_a_commit_answers_no_one_who_came_after_it(tmp_p
     db.upgrade(url)
 
     async def scenario():
-        here, replica = RegistryDatabase(url), RegistryDatabase(url)
-        selects = []
-        event.listen(here.engine.sync_engine, "before_cursor_execute", lambda *args: selects.append(args[2]))
-        try:
+        async with _two_gateways(url) as (here, replica, statements):
             await replica.adapters.add(row("moving", "1"))
             earlier = asyncio.ensure_future(here.adapters.get("moving", None, None))
             await asyncio.sleep(0)  # its lookup is in flight under the marker of that moment
@@ -282,10 +287,7 @@ def test_a_lookup_started_before_a_commit_answers_no_one_who_came_after_it(tmp_p
                 other.execute("DELETE FROM adapters WHERE name = 'moving'")
             assert await here.adapters.get("moving", None, None) is None
             await earlier
-            assert len(selects) == 2
-        finally:
-            await here.close()
-            await replica.close()
+            assert len(statements) == 2
 
     run(scenario())
 
