@@ -36,6 +36,7 @@ from pathlib import Path
 
 from bench import BenchError, plots
 from bench.client import Target
+from bench.idle_check import warn_if_busy
 from bench.metrics import summarize
 from bench.peer import add_model_options, prepare_model, run_driver
 from bench.peer_workload import PeerWorkload
@@ -88,6 +89,7 @@ def measure(args: argparse.Namespace, levels: list[int]) -> dict:
         workload_file = workload.write(Path(tmp) / "workload.json", model, adapters, rank)
         body = json.loads(workload_file.read_text())
         pair_file = replace(workload, runs=1).write(Path(tmp) / "pair-workload.json", model, adapters, rank)
+        busy_before = warn_if_busy()
         before = run_offline(workload_file, args.threads, bool(adapters))
         pairs: list[tuple[dict, dict]] = []  # (offline run, server run) back to back at the top level
         names = [name for name, _ in adapters]
@@ -130,6 +132,7 @@ def measure(args: argparse.Namespace, levels: list[int]) -> dict:
         "runs": runs,
         "server_over_offline": top["output_throughput"] / offline["output_tok_s"],
         "paired": paired_figures(pairs),
+        "busy_before": busy_before,
     }
     print_table(result)
     (args.result_dir / "latency.json").write_text(json.dumps(result, indent=2))

@@ -33,6 +33,7 @@ import torch
 
 from adapters.ref import LoRARequest, parse_lora_module
 from bench.engine import build_model, workload
+from bench.idle_check import warn_if_busy
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     prompts = workload("fixed", args.num_prompts)
+    busy_before = warn_if_busy()
     runs = given_model_runs(args, prompts) if args.model else random_model_runs(args, prompts)
     num_tokens = args.num_prompts * args.output_len
     rows = {name: statistics.median(times) for name, times in runs.items()}
@@ -115,6 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     report(results)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     summary = {"model": args.model or "random 56M Llama", "rank": args.rank, "threads": args.threads, "rows": results}
+    summary["busy_before"] = busy_before
     args.json.write_text(json.dumps(summary, indent=2))
     print(f"saved {args.json}")
     return results

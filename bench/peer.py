@@ -37,6 +37,7 @@ from pathlib import Path
 
 from bench import BenchError
 from bench.background_load import background_load
+from bench.idle_check import warn_if_busy
 from bench.peer_workload import PeerWorkload
 from bench.process_group import run_in_group
 from engine.cpu_threads import usable_cores
@@ -110,6 +111,7 @@ def compare(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="loraplex-peer-") as tmp:
         model, adapters, rank = prepare_model(args, Path(tmp))
         workload_file = workload.write(Path(tmp) / "workload.json", model, adapters, rank)
+        busy_before = warn_if_busy()
         with background_load(args.background_load, args.background_duty):
             for mode in modes:
                 if not args.skip_loraplex:
@@ -120,6 +122,7 @@ def compare(args: argparse.Namespace) -> dict:
                 pair_file = replace(workload, runs=1).write(Path(tmp) / "pair-workload.json", model, adapters, rank)
                 pairs = run_pairs(pair_file, args)
     summary = summarize(results, args, workload, pairs)
+    summary["busy_before"] = busy_before
     print_summary(summary)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(summary, indent=2))
