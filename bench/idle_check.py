@@ -30,11 +30,11 @@ def busy_processes(seconds: float = 1.0, proc: Path = Path("/proc")) -> list[Bus
     process left out. Empty where /proc cannot be read."""
     before = _cpu_seconds(proc)
     time.sleep(seconds)
-    busy = [
-        BusyProcess(pid, _command(proc / str(pid)) or name, (cpu - before[pid][1]) / seconds)
-        for pid, (name, cpu) in _cpu_seconds(proc).items()
-        if pid in before and (cpu - before[pid][1]) / seconds > NAMED_ABOVE_CORES
-    ]
+    busy = []
+    for pid, (name, cpu) in _cpu_seconds(proc).items():
+        cores = (cpu - before[pid][1]) / seconds if pid in before else 0.0  # a process born meanwhile: not counted
+        if cores > NAMED_ABOVE_CORES:
+            busy.append(BusyProcess(pid, _command(proc / str(pid)) or name, cores))
     return sorted(busy, key=lambda b: -b.cores)
 
 
