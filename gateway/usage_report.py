@@ -18,9 +18,7 @@ async def usage_json(
 ) -> dict:
     if start is not None and end is not None and start > end:
         raise APIError(400, f"'from' ({start}) is after 'to' ({end})", param="from")
-    report = await usage_report(
-        state.database.usage, tenant, adapter, start, end, pending=await state.accounting.store.pending()
-    )
+    report = await usage_report(state.database.usage, tenant, adapter, start, end, store=state.accounting.store)
     return {
         "object": "list",
         "data": [

@@ -14,6 +14,7 @@ import pytest
 
 from gateway.usage import UsageCounts, UsageFlusher, UsageKey, UsageRecord, usage_report
 from gateway.usage.memory_store import MemoryUsageStore
+from gateway.usage.record import merge_counters
 from gateway.usage.redis_store import RedisUsageStore
 from registry.db import create_engine, sessionmaker, upgrade
 from registry.usage import UsageRollups
@@ -178,6 +179,45 @@ def test_two_gateways_on_one_redis_flush_exactly_once(redis_url, redis_key_prefi
     assert totals == expected(*records)
 
 
+@pytest.mark.parametrize("database", ["fast", "slow"])
+@pytest.mark.parametrize("flusher", ["this", "another gateway"])
+def test_a_report_read_while_a_flush_commits_counts_each_record_once(new_store, db_url, tenant, flusher, database):
+    """A flush that moves the counters into the database while a report reads the rollups and the pending counters
+    (it commits between the two reads, or it is still writing when the rollups are read) is counted once: the
+    report waits for it or reads again, it never adds the counters from both places nor from neither."""
+    if flusher == "another gateway" and new_store is MemoryUsageStore:
+        pytest.skip("in-process counters have one gateway")
+
+    async def main():
+        db, store = Database(db_url), new_store()
+        other = store if flusher == "this" else new_store()
+        records = [usage(tenant, 10, 1), usage(tenant, 20, 2, adapter="")]
+        for i, record in enumerate(records):
+            await store.record(f"{tenant}-{i}", record)
+        flushes = []
+
+        async def read_rollups_while_a_flush_runs():
+            if database == "slow" and not flushes:
+                asyncio.get_running_loop().call_later(0.4, lock_rollups(db_url, tenant))
+            flushes.append(asyncio.create_task(other.flush(db.rollups)))
+            await asyncio.sleep(0.2)  # the flush claims, writes and commits or waits for the database meanwhile
+            return await db.rollups.read(tenant)
+
+        rollups, pending = await store.read_with_pending(read_rollups_while_a_flush_runs)
+        flushed = await asyncio.gather(*flushes)
+        reported = merge_counters(rollups, pending)
+        totals = await db.totals(tenant)
+        for each in {store, other}:
+            await each.close()
+        await db.close()
+        return flushed, pending_of(reported, tenant), totals
+
+    flushed, reported, totals = asyncio.run(main())
+    assert any(flushed), "no flush moved the counters: the test proves nothing"
+    assert reported == expected(*[usage(tenant, 10, 1), usage(tenant, 20, 2, adapter="")])
+    assert totals == reported
+
+
 def test_claim_of_a_dead_flusher_is_taken_back(redis_url, redis_key_prefix, tmp_path, tenant):
     url = f"sqlite:///{tmp_path}/registry.db"
     upgrade(url)
@@ -187,7 +227,7 @@ def test_claim_of_a_dead_flusher_is_taken_back(redis_url, redis_key_prefix, tmp_
         dead = RedisUsageStore(redis_url, key_prefix=redis_key_prefix)
         alive = RedisUsageStore(redis_url, key_prefix=redis_key_prefix, stale_claim_s=0.3)
         await dead.record("r1", usage(tenant, 8, 4))
-        flushing, pending, claims = dead._claim_keys("dead-flush")
+        flushing, pending, claims, _ = dead._claim_keys("dead-flush")
         # The dead gateway claimed the pending counters, then died before writing them to the database.
         assert await dead._claim(keys=[pending, flushing, claims], args=["dead-flush", time.time(), 3600])
         await dead.close()
@@ -379,7 +419,7 @@ def test_usage_report_filters_and_totals(tmp_path):
             "acme": await usage_report(db.rollups, tenant="acme"),
             "sql": await usage_report(db.rollups, adapter="sql"),
             "day": await usage_report(db.rollups, from_day=next_day, to_day=next_day),
-            "acme+pending": await usage_report(db.rollups, tenant="acme", pending=await store.pending()),
+            "acme+pending": await usage_report(db.rollups, tenant="acme", store=store),
         }
         await db.close()
         return reports

@@ -6,9 +6,16 @@ Keys (one hash tag, `{usage}`, so the scripts also run on a Redis Cluster):
   {p}usage:{usage}:flushing:<flush_id>  the pending hash, renamed by one flusher: the atomic claim
   {p}usage:{usage}:claims               zset flush_id -> claim time; a claim older than `stale_claim_s` (its
                                         flusher died) is handed back to pending by the next flush anywhere
+  {p}usage:{usage}:committing           zset flush_id -> time: flushes between taking their claim and their DEL
+  {p}usage:{usage}:flushes              how many flushes have committed: with `committing`, lets a report see
+                                        whether a flush moved counters into the database while it read them
 
-Flush: claim -> read -> upsert in a DB transaction -> ZREM the claim (the flusher and a reclaimer race for it;
-the loser does nothing or rolls back) -> commit -> DEL. A failed upsert or commit gives the counters back.
+Flush: claim -> read -> upsert in a DB transaction -> move the claim to `committing` (the flusher and a reclaimer
+race for it; the loser does nothing or rolls back) -> commit -> DEL, leave `committing`, count the flush. A failed
+upsert or commit gives the counters back.
+
+Report: pending and claimed hashes in one script, then the database, then the `flushes` count again; it reads
+again while a flush is committing or when one committed in between, so no counter is counted twice or missed.
 
 Outage: `record` never raises. While Redis is unreachable records wait in a local buffer (keyed by request_id)
 and go to Redis, through the same idempotent script, on the next record or flush after it is back. A final
@@ -24,6 +31,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -31,13 +39,15 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.usage.record import UsageRecord, add_counts, merge_counters
-from gateway.usage.store import DEDUPE_TTL_S, UsageStore
+from gateway.usage.store import DEDUPE_TTL_S, T, UsageStore
 from registry.usage import UsageCounts, UsageKey, UsageRollups
 
 logger = logging.getLogger(__name__)
 
 REDIS_ERRORS = (RedisError, OSError)
 CLAIM_TTL_S = 7 * 24 * 3600  # a claimed hash nobody could resolve is dropped after this, never earlier
+REPORT_TRIES = 100  # reads of a report that a committing flush can spoil before it settles for the last one
+REPORT_RETRY_S = 0.01
 
 # KEYS: seen, pending. ARGV: dedupe ttl, then (field, increment) pairs.
 _RECORD = """
@@ -55,13 +65,38 @@ redis.call('EXPIRE', KEYS[2], ARGV[3])
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
 return 1
 """
-# KEYS: flushing, pending, claims. ARGV: flush_id, guarded (1: only if the claim is still there to take).
+# KEYS: flushing, pending, claims, committing. ARGV: flush_id, guarded (1: only if the claim is still there to take).
 _GIVE_BACK = """
 if redis.call('ZREM', KEYS[3], ARGV[1]) == 0 and ARGV[2] == '1' then return 0 end
 local fields = redis.call('HGETALL', KEYS[1])
 for i = 1, #fields, 2 do redis.call('HINCRBY', KEYS[2], fields[i], fields[i + 1]) end
 redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
 return 1
+"""
+# KEYS: claims, committing. ARGV: flush_id, now. Run in the transaction, before its commit.
+_START_COMMIT = """
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+return 1
+"""
+# KEYS: flushing, committing, flushes. ARGV: flush_id. Run after the commit.
+_COMMITTED = """
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return redis.call('INCR', KEYS[3])
+"""
+# KEYS: flushes, committing, pending, claims. ARGV: flushing key prefix, oldest live commit time, with hashes (0/1).
+# Returns [flushes, committing, pending hash, claimed hashes...].
+_SNAPSHOT = """
+local out = {redis.call('GET', KEYS[1]) or '0', redis.call('ZCOUNT', KEYS[2], ARGV[2], '+inf')}
+if ARGV[3] == '1' then
+  table.insert(out, redis.call('HGETALL', KEYS[3]))
+  for _, id in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do
+    table.insert(out, redis.call('HGETALL', ARGV[1] .. id))
+  end
+end
+return out
 """
 
 
@@ -69,7 +104,9 @@ def _field(key: UsageKey, counter: str) -> str:
     return json.dumps([key.tenant, key.adapter, key.day.isoformat(), counter], separators=(",", ":"))
 
 
-def _parse_hash(raw: dict[bytes, bytes]) -> dict[UsageKey, UsageCounts]:
+def _parse_hash(raw: dict[bytes, bytes] | list[bytes]) -> dict[UsageKey, UsageCounts]:
+    if isinstance(raw, list):  # HGETALL inside a script answers a flat [field, value, ...] list
+        raw = dict(zip(raw[::2], raw[1::2], strict=True))
     counters: dict[UsageKey, UsageCounts] = {}
     for field, value in raw.items():
         tenant, adapter, day, counter = json.loads(field)
@@ -97,6 +134,9 @@ class RedisUsageStore(UsageStore):
         self._record = self.redis.register_script(_RECORD)
         self._claim = self.redis.register_script(_CLAIM)
         self._give_back = self.redis.register_script(_GIVE_BACK)
+        self._start_commit = self.redis.register_script(_START_COMMIT)
+        self._committed = self.redis.register_script(_COMMITTED)
+        self._snapshot = self.redis.register_script(_SNAPSHOT)
         self._buffer: dict[str, UsageRecord] = {}  # request_id -> record Redis did not take yet
         self._unresolved: set[str] = set()  # our claims whose give-back failed: retried on the next flush
         self._draining = asyncio.Lock()
@@ -177,35 +217,40 @@ class RedisUsageStore(UsageStore):
         for flush_id in list(self._unresolved):
             await self._give_back(keys=self._claim_keys(flush_id), args=[flush_id, 0])
             self._unresolved.discard(flush_id)
-        stale = await self.redis.zrangebyscore(self._keys + "claims", "-inf", time.time() - self.stale_claim_s)
+        stale_before = time.time() - self.stale_claim_s
+        stale = await self.redis.zrangebyscore(self._keys + "claims", "-inf", stale_before)
         for flush_id in (raw.decode() for raw in stale):
             if await self._give_back(keys=self._claim_keys(flush_id), args=[flush_id, 1]):
                 logger.warning("usage: took back counters of flush %s, whose flusher did not finish", flush_id)
+        if await self.redis.zremrangebyscore(self._keys + "committing", "-inf", stale_before):
+            logger.warning("usage: forgot flushes whose flusher stopped while committing them to the database")
 
     def _claim_keys(self, flush_id: str) -> list[str]:
-        return [self._keys + "flushing:" + flush_id, self._keys + "pending", self._keys + "claims"]
+        keys = self._keys
+        return [keys + "flushing:" + flush_id, keys + "pending", keys + "claims", keys + "committing"]
 
     async def _flush_pending(self, rollups: UsageRollups) -> dict[UsageKey, UsageCounts]:
         flush_id = uuid.uuid4().hex
-        flushing, pending, claims = self._claim_keys(flush_id)
+        flushing, pending, claims, committing = self._claim_keys(flush_id)
         if not await self._claim(keys=[pending, flushing, claims], args=[flush_id, time.time(), CLAIM_TTL_S]):
             return {}
         counters = _parse_hash(await self.redis.hgetall(flushing))
         try:
             # committed only if the claim is still ours: a reclaimer that took it back made it pending again
-            if not await rollups.add(counters, commit_if=lambda: self._unclaim(claims, flush_id)):
+            if not await rollups.add(counters, commit_if=lambda: self._take_claim_to_commit(flush_id)):
                 return {}
         except REDIS_ERRORS:
-            self._unresolved.add(flush_id)  # the ZREM may have happened: resolved on the next flush
+            self._unresolved.add(flush_id)  # the claim may have moved to `committing`: resolved on the next flush
             raise
         except BaseException:
             await self._give_back_own(flush_id)
             raise
-        await self.redis.delete(flushing)
+        await self._committed(keys=[flushing, committing, self._keys + "flushes"], args=[flush_id])
         return counters
 
-    async def _unclaim(self, claims: str, flush_id: str) -> bool:
-        return bool(await self.redis.zrem(claims, flush_id))
+    async def _take_claim_to_commit(self, flush_id: str) -> bool:
+        keys = [self._keys + "claims", self._keys + "committing"]
+        return bool(await self._start_commit(keys=keys, args=[flush_id, time.time()]))
 
     async def _give_back_own(self, flush_id: str) -> None:
         try:
@@ -236,14 +281,37 @@ class RedisUsageStore(UsageStore):
     # ---- reporting ----
 
     async def pending(self) -> dict[UsageKey, UsageCounts]:
-        found = [self._buffer_counters(self._buffer)]
+        hashes = []
         try:
-            claimed = [raw.decode() for raw in await self.redis.zrange(self._keys + "claims", 0, -1)]
-            for key in [self._keys + "pending", *(self._keys + "flushing:" + f for f in claimed)]:
-                found.append(_parse_hash(await self.redis.hgetall(key)))
+            _, _, *hashes = await self._read_snapshot(with_hashes=True)
         except REDIS_ERRORS as e:
             logger.warning("usage: Redis unreachable, pending counters are this process's only: %s", e)
-        return merge_counters(*found)
+        return merge_counters(*map(_parse_hash, hashes), self._buffer_counters(self._buffer))
+
+    async def read_with_pending(self, read: Callable[[], Awaitable[T]]) -> tuple[T, dict[UsageKey, UsageCounts]]:
+        rollups: T | None = None
+        pending: dict[UsageKey, UsageCounts] = {}
+        for _ in range(REPORT_TRIES):
+            try:
+                flushes, committing, *hashes = await self._read_snapshot(with_hashes=True)
+            except REDIS_ERRORS as e:
+                logger.warning("usage: Redis unreachable, pending counters are this process's only: %s", e)
+                return await read(), self._buffer_counters(self._buffer)
+            if not committing:
+                # the buffer after Redis: a record Redis took in between is then missed (it is newer), never doubled
+                pending = merge_counters(*map(_parse_hash, hashes), self._buffer_counters(self._buffer))
+                rollups = await read()
+                if await self._read_snapshot(with_hashes=False) == [flushes, 0]:
+                    return rollups, pending
+            await asyncio.sleep(REPORT_RETRY_S)
+        logger.warning("usage: flushes kept committing while a report read; it may count one flush twice or miss it")
+        return (rollups if rollups is not None else await read()), pending
+
+    async def _read_snapshot(self, with_hashes: bool) -> list:
+        keys = [self._keys + name for name in ("flushes", "committing", "pending", "claims")]
+        args = [self._keys + "flushing:", time.time() - self.stale_claim_s, int(with_hashes)]
+        flushes, committing, *hashes = await self._snapshot(keys=keys, args=args)
+        return [int(flushes), int(committing), *hashes]
 
     async def close(self) -> None:
         await asyncio.gather(*self._in_flight, return_exceptions=True)

@@ -4,10 +4,10 @@ totals."""
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gateway.usage.record import add_counts
+from gateway.usage.store import UsageStore
 from registry.usage import UsageCounts, UsageKey, UsageRollups
 
 
@@ -43,12 +43,16 @@ async def usage_report(
     adapter: str | None = None,
     from_day: dt.date | None = None,
     to_day: dt.date | None = None,
-    pending: Mapping[UsageKey, UsageCounts] | None = None,
+    store: UsageStore | None = None,
 ) -> UsageReport:
-    """Usage per (tenant, adapter, day) with `from_day <= day <= to_day`; None selects all. `pending` (a
-    store's `pending()`) adds the counters not flushed yet."""
-    counters = await rollups.read(tenant, adapter, from_day, to_day)
-    for key, counts in (pending or {}).items():
+    """Usage per (tenant, adapter, day) with `from_day <= day <= to_day`; None selects all. `store` adds the
+    counters it holds that are not flushed yet, read with the rollups as of one moment."""
+
+    async def read_rollups() -> dict[UsageKey, UsageCounts]:
+        return await rollups.read(tenant, adapter, from_day, to_day)
+
+    counters, pending = await store.read_with_pending(read_rollups) if store is not None else (await read_rollups(), {})
+    for key, counts in pending.items():
         if _selected(key, tenant, adapter, from_day, to_day):
             add_counts(counters, key, counts)
     report = UsageReport(rows=[])

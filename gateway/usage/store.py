@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from gateway.usage.record import UsageRecord
 from registry.usage import UsageCounts, UsageKey, UsageRollups
 
 DEDUPE_TTL_S = 24 * 3600  # how long a request_id is remembered, so a replay of it is not counted again
+
+T = TypeVar("T")
 
 
 class UsageStore(ABC):
@@ -25,6 +29,12 @@ class UsageStore(ABC):
     @abstractmethod
     async def pending(self) -> dict[UsageKey, UsageCounts]:
         """Counted but not yet flushed to the database."""
+
+    @abstractmethod
+    async def read_with_pending(self, read: Callable[[], Awaitable[T]]) -> tuple[T, dict[UsageKey, UsageCounts]]:
+        """`await read()` (of the rollups) and `pending()` as of one moment: no flush (of any process) commits
+        between the two reads, so a report that adds them up counts every flushed counter once, never twice nor not
+        at all."""
 
     async def close(self) -> None:
         """Releases connections; call `flush(..., final=True)` first (UsageFlusher.close does)."""
