@@ -7,9 +7,9 @@ scaling, and agreement between the tensors and adapter_config.json.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from adapters.base_spec import MODULE_PARENTS, BaseModelSpec
+from adapters.content_digest import FileIdentity, content_digest, settled_identity
 from adapters.peft_config import AdapterConfig, AdapterError, read_adapter_config
 
 logger = logging.getLogger(__name__)
@@ -63,14 +64,15 @@ def load_lora(
         raise AdapterError(f"adapter {label!r}: {path} is not a directory")
     config = read_adapter_config(directory, label)
     _check_base_name(config, spec, label)
-    tensors, pairs, prefix = _pair_tensors(_read_tensors(directory, label, allow_pickle), spec, label)
+    stored, weights_file = _read_tensors(directory, label, allow_pickle)
+    tensors, pairs, prefix = _pair_tensors(stored, spec, label)
     _check_targets(config, set(pairs.values()), prefix, spec, label)
     weights, magnitudes = _checked_weights(tensors, pairs, config, max_lora_rank, label)
     return LoRAWeights(
         name=name if name is not None else directory.name,
         path=str(path),
         rank=max(a.shape[0] for a, _, _ in weights.values()),
-        digest=_digest(tensors, {pairs[k]: s for k, (_, _, s) in weights.items()}),
+        digest=content_digest(tensors, {pairs[k]: s for k, (_, _, s) in weights.items()}, weights_file),
         target_modules=frozenset(module for _, module in weights),
         num_bytes=sum(a.nbytes + b.nbytes for a, b, _ in weights.values()),
         alpha=float(config.lora_alpha),
@@ -80,12 +82,17 @@ def load_lora(
     )
 
 
-def _read_tensors(directory: Path, label: str, allow_pickle: bool) -> dict[str, torch.Tensor]:
-    """Stored tensor name -> tensor, from the safetensors file, else (if allowed) the pickle."""
+def _read_tensors(
+    directory: Path, label: str, allow_pickle: bool
+) -> tuple[dict[str, torch.Tensor], FileIdentity | None]:
+    """Stored tensor name -> tensor, from the safetensors file, else (if allowed) the pickle; and that file's identity
+    when it did not change while it was read (see adapters/content_digest.py)."""
     safetensors_path, pickle_path = directory / SAFETENSORS_NAME, directory / PICKLE_NAME
     if safetensors_path.is_file():
         try:  # one read of the whole file, then one parse: an adapter is small, and its hundreds of tensors tiny
-            stored = dict(sorted(load_safetensors(safetensors_path.read_bytes()).items()))  # by name, as safe_open
+            with open(safetensors_path, "rb") as f:
+                before, data, after = os.fstat(f.fileno()), f.read(), os.fstat(f.fileno())
+            stored = dict(sorted(load_safetensors(data).items()))  # by name, as safe_open
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
             raise AdapterError(f"adapter {label!r}: cannot read {safetensors_path}: {e}") from e
     elif pickle_path.is_file():
@@ -95,7 +102,10 @@ def _read_tensors(directory: Path, label: str, allow_pickle: bool) -> dict[str, 
                 f"convert them to {SAFETENSORS_NAME}, or have the operator allow pickles"
             )
         try:
-            stored = torch.load(pickle_path, map_location="cpu", weights_only=True)
+            with open(pickle_path, "rb") as f:
+                before = os.fstat(f.fileno())
+                stored = torch.load(f, map_location="cpu", weights_only=True)
+                after = os.fstat(f.fileno())
         except Exception as e:  # a pickle fails in many ways; each one means the same: a bad file
             raise AdapterError(f"adapter {label!r}: cannot read {pickle_path}: {e}") from e
         if not isinstance(stored, dict) or not all(
@@ -106,7 +116,7 @@ def _read_tensors(directory: Path, label: str, allow_pickle: bool) -> dict[str, 
         raise AdapterError(f"adapter {label!r}: no weights file ({SAFETENSORS_NAME}) in {directory}")
     if not stored:
         raise AdapterError(f"adapter {label!r}: the weights file holds no tensors")
-    return stored
+    return stored, settled_identity(before, after)
 
 
 def _pair_tensors(
@@ -261,19 +271,6 @@ def _checked_pair(lora_a: torch.Tensor, lora_b: torch.Tensor, fail) -> tuple[tor
     if lora_b.shape[1] != lora_a.shape[0]:
         raise fail(f"lora_B has shape {tuple(lora_b.shape)}, its rank differs from lora_A's {lora_a.shape[0]}")
     return lora_a.to(torch.float32).contiguous(), lora_b.to(torch.float32).contiguous()
-
-
-def _digest(tensors: dict[str, torch.Tensor], scalings: dict[str, float]) -> str:
-    """sha256 over each tensor's name, dtype, shape and bytes in name order, then each module's scaling: two
-    adapters with the same tensors but another lora_alpha compute different things, so they differ here too."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-        h.update(t.view(torch.uint8).numpy())
-    for key in sorted(scalings):
-        h.update(f"scaling\0{key}\0{scalings[key]!r}\0".encode())
-    return f"sha256:{h.hexdigest()}"
 
 
 def _same_model_name(a: str, b: str) -> bool:
