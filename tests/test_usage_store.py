@@ -323,6 +323,33 @@ def test_redis_outage_loses_nothing_and_counts_nothing_twice(db_url, tenant, cap
     assert sum("Redis unreachable" in r.message for r in caplog.records if r.name.endswith("redis_store")) >= 1
 
 
+def test_a_report_answers_when_redis_goes_down_while_it_reads(db_url, tenant, caplog):
+    """Redis killed between a report's reads: the report still answers, with what it read, and says so."""
+
+    async def main(redis: RedisProcess):
+        db = Database(db_url)
+        store = RedisUsageStore(redis.url, key_prefix="report-outage:")
+        await store.record("flushed", usage(tenant, 10, 1))
+        await store.flush(db.rollups)
+        await store.record("pending", usage(tenant, 20, 2, adapter=""))
+
+        async def read_while_redis_dies():
+            redis.stop(kill=True)
+            return await db.rollups.read(tenant)
+
+        rollups, pending = await store.read_with_pending(read_while_redis_dies)
+        later = await usage_report(db.rollups, tenant=tenant, store=store)  # Redis still down: the database's rows
+        await store.close()
+        await db.close()
+        return pending_of(merge_counters(rollups, pending), tenant), later
+
+    with RedisProcess(persistent=True) as redis:
+        reported, later = asyncio.run(main(redis))
+    assert reported == expected(usage(tenant, 10, 1), usage(tenant, 20, 2, adapter=""))
+    assert [(row.adapter, row.requests) for row in later.rows] == [("sql", 1)]
+    assert any("Redis unreachable as a report read" in r.message for r in caplog.records)
+
+
 def test_final_flush_writes_the_buffer_when_redis_stays_down(tmp_path, tenant):
     url = f"sqlite:///{tmp_path}/registry.db"
     upgrade(url)

@@ -301,7 +301,12 @@ class RedisUsageStore(UsageStore):
                 # the buffer after Redis: a record Redis took in between is then missed (it is newer), never doubled
                 pending = merge_counters(*map(_parse_hash, hashes), self._buffer_counters(self._buffer))
                 rollups = await read()
-                if await self._read_snapshot(with_hashes=False) == [flushes, 0]:
+                try:
+                    settled = await self._read_snapshot(with_hashes=False) == [flushes, 0]
+                except REDIS_ERRORS as e:
+                    logger.warning("usage: Redis unreachable as a report read; it may count a flush twice: %s", e)
+                    return rollups, pending
+                if settled:
                     return rollups, pending
             await asyncio.sleep(REPORT_RETRY_S)
         logger.warning("usage: flushes kept committing while a report read; it may count one flush twice or miss it")
