@@ -323,6 +323,31 @@ def test_redis_outage_loses_nothing_and_counts_nothing_twice(db_url, tenant, cap
     assert sum("Redis unreachable" in r.message for r in caplog.records if r.name.endswith("redis_store")) >= 1
 
 
+def test_a_flush_that_died_committing_holds_no_report_back(redis_url, redis_key_prefix, db_url, tenant, caplog):
+    """A gateway that died between its flush's commit and its last word leaves that flush in `committing`: reports
+    wait for it (a bounded while, then still count what is pending), and not at all once it is stale."""
+    from gateway.usage import redis_store
+
+    async def main():
+        db, store = Database(db_url), RedisUsageStore(redis_url, key_prefix=redis_key_prefix)
+        await store.record("r1", usage(tenant, 10, 1))
+        committing = store._keys + "committing"
+        reports = []
+        for age_s in (0.0, redis_store.COMMITTING_STALE_S + 60):
+            await store.redis.zadd(committing, {"dead-flush": time.time() - age_s})
+            started = time.monotonic()
+            reports.append((await usage_report(db.rollups, tenant=tenant, store=store), time.monotonic() - started))
+            await store.redis.zrem(committing, "dead-flush")
+        await store.close()
+        await db.close()
+        return reports
+
+    (fresh, fresh_s), (stale, stale_s) = asyncio.run(main())
+    assert fresh.totals == stale.totals == UsageCounts(1, 10, 1, 0)
+    assert fresh_s >= (redis_store.REPORT_TRIES - 1) * redis_store.REPORT_RETRY_S > stale_s
+    assert sum("flushes kept committing" in r.message for r in caplog.records) == 1
+
+
 def test_a_report_answers_when_redis_goes_down_while_it_reads(db_url, tenant, caplog):
     """Redis killed between a report's reads: the report still answers, with what it read, and says so."""
 

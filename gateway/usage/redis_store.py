@@ -15,7 +15,8 @@ race for it; the loser does nothing or rolls back) -> commit -> DEL, leave `comm
 upsert or commit gives the counters back.
 
 Report: pending and claimed hashes in one script, then the database, then the `flushes` count again; it reads
-again while a flush is committing or when one committed in between, so no counter is counted twice or missed.
+again while a flush is committing or when one committed in between, so no counter is counted twice or missed. A flush
+in `committing` for over COMMITTING_STALE_S (its gateway died) is not waited for.
 
 Outage: `record` never raises. While Redis is unreachable records wait in a local buffer (keyed by request_id)
 and go to Redis, through the same idempotent script, on the next record or flush after it is back. A final
@@ -48,6 +49,9 @@ REDIS_ERRORS = (RedisError, OSError)
 CLAIM_TTL_S = 7 * 24 * 3600  # a claimed hash nobody could resolve is dropped after this, never earlier
 REPORT_TRIES = 100  # reads of a report that a committing flush can spoil before it settles for the last one
 REPORT_RETRY_S = 0.01
+# A flush commits within milliseconds of entering `committing`: one still there after this died (or its database
+# hangs), and a report stops waiting for it (at worst, that report counts that flush twice).
+COMMITTING_STALE_S = 10.0
 
 # KEYS: seen, pending. ARGV: dedupe ttl, then (field, increment) pairs.
 _RECORD = """
@@ -217,12 +221,11 @@ class RedisUsageStore(UsageStore):
         for flush_id in list(self._unresolved):
             await self._give_back(keys=self._claim_keys(flush_id), args=[flush_id, 0])
             self._unresolved.discard(flush_id)
-        stale_before = time.time() - self.stale_claim_s
-        stale = await self.redis.zrangebyscore(self._keys + "claims", "-inf", stale_before)
+        stale = await self.redis.zrangebyscore(self._keys + "claims", "-inf", time.time() - self.stale_claim_s)
         for flush_id in (raw.decode() for raw in stale):
             if await self._give_back(keys=self._claim_keys(flush_id), args=[flush_id, 1]):
                 logger.warning("usage: took back counters of flush %s, whose flusher did not finish", flush_id)
-        if await self.redis.zremrangebyscore(self._keys + "committing", "-inf", stale_before):
+        if await self.redis.zremrangebyscore(self._keys + "committing", "-inf", time.time() - COMMITTING_STALE_S):
             logger.warning("usage: forgot flushes whose flusher stopped while committing them to the database")
 
     def _claim_keys(self, flush_id: str) -> list[str]:
@@ -289,32 +292,32 @@ class RedisUsageStore(UsageStore):
         return merge_counters(*map(_parse_hash, hashes), self._buffer_counters(self._buffer))
 
     async def read_with_pending(self, read: Callable[[], Awaitable[T]]) -> tuple[T, dict[UsageKey, UsageCounts]]:
-        rollups: T | None = None
-        pending: dict[UsageKey, UsageCounts] = {}
-        for _ in range(REPORT_TRIES):
+        for attempt in range(REPORT_TRIES):
+            if attempt:
+                await asyncio.sleep(REPORT_RETRY_S)
             try:
                 flushes, committing, *hashes = await self._read_snapshot(with_hashes=True)
             except REDIS_ERRORS as e:
                 logger.warning("usage: Redis unreachable, pending counters are this process's only: %s", e)
                 return await read(), self._buffer_counters(self._buffer)
-            if not committing:
-                # the buffer after Redis: a record Redis took in between is then missed (it is newer), never doubled
-                pending = merge_counters(*map(_parse_hash, hashes), self._buffer_counters(self._buffer))
-                rollups = await read()
-                try:
-                    settled = await self._read_snapshot(with_hashes=False) == [flushes, 0]
-                except REDIS_ERRORS as e:
-                    logger.warning("usage: Redis unreachable as a report read; it may count a flush twice: %s", e)
-                    return rollups, pending
-                if settled:
-                    return rollups, pending
-            await asyncio.sleep(REPORT_RETRY_S)
-        logger.warning("usage: flushes kept committing while a report read; it may count one flush twice or miss it")
-        return (rollups if rollups is not None else await read()), pending
+            # the buffer after Redis: a record Redis took in between is then missed (it is newer), never doubled
+            pending = merge_counters(*map(_parse_hash, hashes), self._buffer_counters(self._buffer))
+            if committing:
+                continue
+            rollups = await read()
+            try:
+                settled = await self._read_snapshot(with_hashes=False) == [flushes, 0]
+            except REDIS_ERRORS as e:
+                logger.warning("usage: Redis unreachable as a report read; it may count a flush twice: %s", e)
+                return rollups, pending
+            if settled:
+                return rollups, pending
+        logger.warning("usage: flushes kept committing while a report read; it may count one flush twice")
+        return await read(), pending
 
     async def _read_snapshot(self, with_hashes: bool) -> list:
         keys = [self._keys + name for name in ("flushes", "committing", "pending", "claims")]
-        args = [self._keys + "flushing:", time.time() - self.stale_claim_s, int(with_hashes)]
+        args = [self._keys + "flushing:", time.time() - COMMITTING_STALE_S, int(with_hashes)]
         flushes, committing, *hashes = await self._snapshot(keys=keys, args=args)
         return [int(flushes), int(committing), *hashes]
 
