@@ -6,12 +6,13 @@
 
 The 56M Llama of `loraplex bench engine`, fp32 on CPU; 64 requests of 128 random prompt tokens and 64 output
 tokens (ignore_eos); adapters of rank 8 on all 7 linear modules, each request's drawn uniformly among K.
-Rows: loraplex base-only; loraplex K=8 (max_loras=8); peft K=8 as one mixed batch (`adapter_names`) and
-grouped by adapter (`set_adapter`); loraplex K=128 with max_loras=16, max_cpu_loras=32, every adapter
-forgotten before each of its runs (so each run reads all of them from disk); and the base model alone in K=128's
-batch shape (max_num_seqs = the mean number of sequences of K=128's decode steps): with 16 rows for ~48 distinct
-adapters K=128 runs three waves of ~21 sequences, and what the base model alone keeps of its speed in that shape
-is about the most K=128 / K=8 can reach. The loraplex rows run interleaved, on engines kept warm alike (until
+Rows: loraplex base-only; loraplex K=8 (max_loras=8); peft K=8 as one mixed batch (`adapter_names`) and grouped by
+adapter (`set_adapter`); loraplex K=128 with max_loras=16, max_cpu_loras=32, every adapter forgotten before each of
+its runs (so each run reads all of them from disk); the same with every adapter kept in host memory
+(max_cpu_loras=128, read once before the runs: only the device rows' churn is left); and the base model alone in
+K=128's batch shape (max_num_seqs = the mean number of sequences of K=128's decode steps): with 16 rows for ~48
+distinct adapters K=128 runs three waves of ~21 sequences, and what the base model alone keeps of its speed in that
+shape is about the most K=128 / K=8 can reach. The loraplex rows run interleaved, on engines kept warm alike (until
 2026-11-26 each K=128 run built a fresh engine after the others had run: it paid the first touch of its KV pool's
 pages, and the machine's drift went into that row alone).
 With --model: the same requests on that model (a directory or a GGUF file), base-only and mixed over the
@@ -38,6 +39,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 K128_ROW = "loraplex K=128 (16 rows, 32 in host memory)"
+K128_HOST_ROW = "loraplex K=128 (16 rows, all in host memory)"  # no disk reads: what the rows alone cost
 SHAPED_ROW = "loraplex base-only, max_num_seqs"  # + the batch shape: the base model alone in K=128's shape
 
 
@@ -161,8 +163,12 @@ def random_model_runs(args: argparse.Namespace, prompts: list[list[int]]) -> dic
         )
         llm = LLM(model=base, enable_lora=True, max_loras=8, max_lora_rank=args.rank, max_cpu_loras=32, **common)
         churn = LLM(model=base, enable_lora=True, max_loras=16, max_lora_rank=args.rank, max_cpu_loras=32, **common)
+        hot = LLM(model=base, enable_lora=True, max_loras=16, max_lora_rank=args.rank, max_cpu_loras=128, **common)
         time_loraplex(llm, prompts[:4], 4, k8[:4])  # warm-up
         time_loraplex(churn, prompts[:4], 4, k128[:4])
+        time_loraplex(hot, prompts[:4], 4, k128[:4])
+        for lora in loras:
+            hot.engine.add_adapter(lora)
         shaped = None  # the base model alone in K=128's batch shape, made once that shape is known
         for _ in range(args.repeat):  # interleaved, so a noisy neighbour or a drifting machine hits all alike
             runs["loraplex base-only"].append(time_loraplex(llm, prompts, args.output_len, None))
@@ -171,6 +177,7 @@ def random_model_runs(args: argparse.Namespace, prompts: list[list[int]]) -> dic
                 churn.engine.remove_adapter(lora)
             before = churn.engine.stats.num_steps
             runs[K128_ROW].append(time_loraplex(churn, prompts, args.output_len, k128))
+            runs[K128_HOST_ROW].append(time_loraplex(hot, prompts, args.output_len, k128))
             if shaped is None:
                 shape = decode_batch_shape(churn, before)
                 shaped = LLM(model=base, **{**common, "max_num_seqs": shape})
@@ -178,7 +185,7 @@ def random_model_runs(args: argparse.Namespace, prompts: list[list[int]]) -> dic
             runs[f"{SHAPED_ROW} {shaped.engine.config.max_num_seqs}"].append(
                 time_loraplex(shaped, prompts, args.output_len, None)
             )
-        del llm, churn, shaped
+        del llm, churn, hot, shaped
         if not args.skip_peft:
             from peft import PeftModel
 
@@ -203,9 +210,11 @@ def report(results: dict) -> None:
     base = results["loraplex base-only"]["tok_s"]
     mixed = next(name for name in results if name.startswith("loraplex K=") and "128" not in name)
     print(f"\n{mixed.removeprefix('loraplex ')} / base-only: {results[mixed]['tok_s'] / base:.2f}")
-    k128 = results.get(K128_ROW)
+    k128, k128_host = results.get(K128_ROW), results.get(K128_HOST_ROW)
     if k128:
         print(f"K=128 / K=8:     {k128['tok_s'] / results['loraplex K=8']['tok_s']:.2f}")
+    if k128_host:
+        print(f"K=128, all in host memory / K=8: {k128_host['tok_s'] / results['loraplex K=8']['tok_s']:.2f}")
     shaped = next((name for name in results if name.startswith(SHAPED_ROW)), None)
     if shaped:
         print(f"base-only in K=128's batch shape / base-only: {results[shaped]['tok_s'] / base:.2f}")
