@@ -284,12 +284,12 @@ class RedisUsageStore(UsageStore):
     # ---- reporting ----
 
     async def pending(self) -> dict[UsageKey, UsageCounts]:
-        hashes = []
         try:
             _, _, *hashes = await self._read_snapshot(with_hashes=True)
         except REDIS_ERRORS as e:
             logger.warning("usage: Redis unreachable, pending counters are this process's only: %s", e)
-        return merge_counters(*map(_parse_hash, hashes), self._buffer_counters(self._buffer))
+            hashes = []
+        return self._pending_of(hashes)
 
     async def read_with_pending(self, read: Callable[[], Awaitable[T]]) -> tuple[T, dict[UsageKey, UsageCounts]]:
         for attempt in range(REPORT_TRIES):
@@ -299,11 +299,10 @@ class RedisUsageStore(UsageStore):
                 flushes, committing, *hashes = await self._read_snapshot(with_hashes=True)
             except REDIS_ERRORS as e:
                 logger.warning("usage: Redis unreachable, pending counters are this process's only: %s", e)
-                return await read(), self._buffer_counters(self._buffer)
-            # the buffer after Redis: a record Redis took in between is then missed (it is newer), never doubled
-            pending = merge_counters(*map(_parse_hash, hashes), self._buffer_counters(self._buffer))
+                return await read(), self._pending_of([])
             if committing:
                 continue
+            pending = self._pending_of(hashes)
             rollups = await read()
             try:
                 settled = await self._read_snapshot(with_hashes=False) == [flushes, 0]
@@ -313,7 +312,12 @@ class RedisUsageStore(UsageStore):
             if settled:
                 return rollups, pending
         logger.warning("usage: flushes kept committing while a report read; it may count one flush twice")
-        return await read(), pending
+        return await read(), self._pending_of(hashes)
+
+    def _pending_of(self, hashes: list) -> dict[UsageKey, UsageCounts]:
+        """The snapshot's pending and claimed hashes plus this process's buffer, read after them: a record Redis took
+        in between is then missed (it is newer), never counted twice."""
+        return merge_counters(*map(_parse_hash, hashes), self._buffer_counters(self._buffer))
 
     async def _read_snapshot(self, with_hashes: bool) -> list:
         keys = [self._keys + name for name in ("flushes", "committing", "pending", "claims")]
