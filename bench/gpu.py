@@ -318,6 +318,10 @@ def lora_rows(device, dtype, shapes, copy_rate: float, sweep: bool) -> list[dict
         z_graph = triton_ops.shrink_out(x, lora_a, graph)
         row["shrink_ms_graph"] = time_ms(partial(triton_ops.lora_shrink, z_graph, x, lora_a, graph), device)
         row["expand_ms_graph"] = time_ms(partial(triton_ops.lora_expand, y, z_graph, lora_b, graph, slices), device)
+        with patched(triton_ops, SLICE_ALIGN=1):  # y moved element by element, as before the expand asserted it
+            row["expand_ms_unaligned"] = time_ms(partial(triton_ops.lora_expand, y, z, lora_b, meta, slices), device)
+            unaligned_graph = partial(triton_ops.lora_expand, y, z_graph, lora_b, graph, slices)
+            row["expand_ms_graph_unaligned"] = time_ms(unaligned_graph, device)
         row["split_k"] = split_k_rows(x, lora_a, lora_b, y, {"plain": meta, "graph": graph}, slices, device)
         row["expand_groups"] = expand_group_rows(y, z, lora_b, {"plain": meta, "graph": graph}, slices, device)
         row["add_lora_ms"] = time_ms(partial(triton_ops.add_lora, y, x, lora_a, lora_b, meta, slices), device)
@@ -334,7 +338,8 @@ def lora_rows(device, dtype, shapes, copy_rate: float, sweep: bool) -> list[dict
               f" rel err {error:.1e}; {row['shrink_parts']} part(s) of H_in; 16-token tiles: shrink "
               f"{row['shrink_ms_tile16'] * 1e3:.1f}, expand "
               f"{row['expand_ms_tile16'] * 1e3:.1f} us; graph meta: {row['shrink_ms_graph'] * 1e3:.1f}, "
-              f"{row['expand_ms_graph'] * 1e3:.1f} us", flush=True)  # fmt: skip
+              f"{row['expand_ms_graph'] * 1e3:.1f} us; expand with y unaligned {row['expand_ms_unaligned'] * 1e3:.1f}"
+              f", graph meta {row['expand_ms_graph_unaligned'] * 1e3:.1f} us", flush=True)  # fmt: skip
     return rows
 
 

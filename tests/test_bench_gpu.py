@@ -29,6 +29,7 @@ def test_smoke_run_of_the_kernel_sections(tmp_path, monkeypatch):
     assert attention["bytes"] == gpu.attention_bytes(gpu.SMOKE_ATTENTION[0], 4) and attention["triton_ms"] > 0
     (lora,) = results["lora"]
     assert lora["rel_error_of_delta"] < 1e-5 and lora["shrink_ms"] > 0 and lora["expand_ms"] > 0
+    assert lora["expand_ms_unaligned"] > 0 and lora["expand_ms_graph_unaligned"] > 0
     assert [row["meta"] for row in lora["split_k"]] == ["plain", "graph"]
     assert all(row[f"{op}_{parts}"] > 0 for row in lora["split_k"] for op in ("shrink", "expand")
                for parts in gpu.SPLIT_PARTS)  # fmt: skip

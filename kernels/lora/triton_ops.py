@@ -50,6 +50,7 @@ EXPAND_LAUNCH = {"num_warps": 4, "num_stages": 2}
 # 38.8 / 49.0 / 48.7 with 64-token tiles, 37.8 / 40.7 / 38.4 / 37.2 / 48.7 with a graph's 16-token ones; 64 tokens
 # over 8 adapters 8.8 / 9.9 / 13.5 / 18.4 / 29.9. Timings moved by ±10% from one call to the next.
 EXPAND_PROGRAMS_PER_SM = 4
+SLICE_ALIGN = 16  # columns: the alignment the expand asserts for its slices' bounds when every slice width has it
 MAX_EXPAND_GROUP_TILES = 8
 
 
@@ -118,6 +119,7 @@ def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_sli
         y.stride(0), y.stride(1), parts.stride(0), parts.stride(1), parts.stride(2),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         meta.tile_tokens, EXPAND_BLOCK_N, block_k, parts.shape[0], rank <= block_k, _precision(lora_b),
+        _slice_align(output_slices),
     )  # fmt: skip
 
 
@@ -151,6 +153,16 @@ def _precision(x: Tensor) -> str:
 def _check_dtypes(activations: Tensor, weights: Tensor) -> None:
     if activations.dtype != weights.dtype:
         raise ValueError(f"tl.dot needs one dtype: activations are {activations.dtype}, weights {weights.dtype}")
+
+
+def _slice_align(output_slices: tuple[int, ...]) -> int:
+    """The largest of 16, 8... 1 that divides every slice width: what the expand may tell the compiler of its slices'
+    first columns, so that a row of y is loaded and stored in 16-byte vectors rather than element by element (a
+    column read from the slice bounds is otherwise of unknown alignment)."""
+    align = SLICE_ALIGN
+    while any(size % align for size in output_slices):
+        align //= 2
+    return align
 
 
 @functools.cache
@@ -212,7 +224,7 @@ def _expand_kernel(
     tile_start_ptr, slice_bounds_ptr, rank, col_groups, group_tiles,
     stride_yt, stride_yh, stride_zp, stride_zt, stride_zw, stride_bn, stride_bh, stride_br,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTS: tl.constexpr,
-    ONE_K_STEP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ONE_K_STEP: tl.constexpr, DOT_PRECISION: tl.constexpr, SLICE_ALIGN: tl.constexpr,
 ):  # fmt: skip
     """Program (token tile, slice * col_groups + group): y[tokens, cols] += z-slice @ lora_b-slice.T for up to
     BLOCK_M tokens of one segment and group_tiles column tiles of BLOCK_N, one after the other (the next tile's loads
@@ -221,8 +233,8 @@ def _expand_kernel(
     tile, slice_group = tl.program_id(0), tl.program_id(1)
     s, group = slice_group // col_groups, slice_group % col_groups
     seg = tl.load(tile_seg_ptr + tile)
-    col_start = tl.load(slice_bounds_ptr + s)
-    slice_width = tl.load(slice_bounds_ptr + s + 1) - col_start
+    col_start = tl.multiple_of(tl.load(slice_bounds_ptr + s), SLICE_ALIGN)
+    slice_width = tl.multiple_of(tl.load(slice_bounds_ptr + s + 1) - col_start, SLICE_ALIGN)
     first = group * group_tiles * BLOCK_N  # the group's first column in its slice
     if (seg >= 0) & (first < slice_width):
         adapter, tokens, row_valid = _tile_tokens(
