@@ -50,7 +50,10 @@ EXPAND_LAUNCH = {"num_warps": 4, "num_stages": 2}
 # 38.8 / 49.0 / 48.7 with 64-token tiles, 37.8 / 40.7 / 38.4 / 37.2 / 48.7 with a graph's 16-token ones; 64 tokens
 # over 8 adapters 8.8 / 9.9 / 13.5 / 18.4 / 29.9. Timings moved by ±10% from one call to the next.
 EXPAND_PROGRAMS_PER_SM = 4
-SLICE_ALIGN = 16  # columns: the alignment the expand asserts for its slices' bounds when every slice width has it
+# Columns: the alignment the expand asserts for its slices' bounds when every slice width has it (_slice_align).
+# H200, bf16, a 2048-token prefill's gate_up expand 57.4 µs asserted, 105.8 not; in a profiled 1B-class LoRA run
+# the expand's 4,608 calls took 11.8 µs each against 18.8.
+SLICE_ALIGN = 16
 MAX_EXPAND_GROUP_TILES = 8
 
 
