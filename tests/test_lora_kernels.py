@@ -475,11 +475,14 @@ def test_triton_expand_walks_groups_of_column_tiles(group_tiles, rank, monkeypat
 
 
 def test_triton_expand_groups_column_tiles_only_when_programs_are_many(monkeypatch):
-    """132 multiprocessors: one column tile per program up to 4 programs per multiprocessor, then groups, up to 8."""
+    """132 multiprocessors, groups allowed up to 8 tiles: one column tile per program up to 4 programs per
+    multiprocessor, then groups. By default (y moved in vectors) every program takes one tile."""
     import kernels.lora.triton_ops as triton_module
 
     monkeypatch.setattr(triton_module, "multiprocessors", lambda device: 132)
     cuda = torch.device("cuda")
+    assert triton_module.expand_group_tiles(128 * 128, cuda) == 1
+    monkeypatch.setattr(triton_module, "MAX_EXPAND_GROUP_TILES", 8)
     assert triton_module.expand_group_tiles(8 * 96, cuda) == 1  # a decode step's 8 tiles over qkv's 96 column tiles
     assert triton_module.expand_group_tiles(32 * 128, cuda) == 7  # a 2048-token prefill's gate_up
     assert triton_module.expand_group_tiles(128 * 128, cuda) == 8

@@ -6,12 +6,12 @@ program without tokens, whether its segments are one long prompt and a few decod
 fixed one-segment-per-row layout. A program reads the segment's adapter row once, gathers its tokens through
 sorted_token_idx, and accumulates tl.dot products in fp32.
 The expand's second grid axis walks (slice, column tile), so a packed layer is one launch whatever its slices. An
-expand program walks a group of column tiles when one tile each would make more programs than the device holds at
-once: its tokens are looked up and z loaded once for the group. Split-K: a decode step's shrink has a few tiles of
-tokens, so one program per (tile, column tile) would leave most multiprocessors idle while each walks all of H_in.
-`shrink_out` then gives the shrink a [P, T, S * R] fp32 buffer: a third grid axis cuts H_in into P parts, each
-program writes its part's partial sums, and the expand adds the P partials as it loads z (no atomics, no zeroing,
-the same rounding to the weights' dtype before its dot).
+expand program can walk a group of column tiles when one tile each would make more programs than the device holds at
+once, its tokens looked up and z loaded once for the group (MAX_EXPAND_GROUP_TILES: one tile a program by default).
+Split-K: a decode step's shrink has a few tiles of tokens, so one program per (tile, column tile) would leave most
+multiprocessors idle while each walks all of H_in. `shrink_out` then gives the shrink a [P, T, S * R] fp32 buffer: a
+third grid axis cuts H_in into P parts, each program writes its part's partial sums, and the expand adds the P
+partials as it loads z (no atomics, no zeroing, the same rounding to the weights' dtype before its dot).
 Ranks and hidden sizes need not be powers of two: every load is masked and the rank is padded to 16 in
 registers (tl.dot needs every dimension >= 16). Launched through FastLaunch (kernels/triton_launch.py: the compiled
 kernel's own launcher, not the JIT's per-call binding). Imported only when the "triton" backend is chosen.
@@ -44,17 +44,17 @@ SHRINK_LAUNCH = {"num_warps": 4, "num_stages": 3}
 SHRINK_PROGRAMS_PER_SM = 1
 MAX_SHRINK_PARTS = 4
 EXPAND_LAUNCH = {"num_warps": 4, "num_stages": 2}
-# An expand program takes several column tiles while more than EXPAND_PROGRAMS_PER_SM programs per multiprocessor
-# would remain. H100, bf16, µs at 1 / 2 / 4 / 8 / 16 tiles a program: a 2048-token prefill's gate_up (16 adapters,
-# 2 x 8192 columns) 104.8 / 109.4 / 100.9 / 96.4 / 93.9; 256 tokens over 128 adapters (Llama-3-8B qkv) 34.6 / 38.7 /
-# 38.8 / 49.0 / 48.7 with 64-token tiles, 37.8 / 40.7 / 38.4 / 37.2 / 48.7 with a graph's 16-token ones; 64 tokens
-# over 8 adapters 8.8 / 9.9 / 13.5 / 18.4 / 29.9. Timings moved by ±10% from one call to the next.
-EXPAND_PROGRAMS_PER_SM = 4
 # Columns: the alignment the expand asserts for its slices' bounds when every slice width has it (_slice_align).
 # H200, bf16, a 2048-token prefill's gate_up expand 57.4 µs asserted, 105.8 not; in a profiled 1B-class LoRA run
 # the expand's 4,608 calls took 11.8 µs each against 18.8.
 SLICE_ALIGN = 16
-MAX_EXPAND_GROUP_TILES = 8
+# An expand program can take several column tiles while more than EXPAND_PROGRAMS_PER_SM programs per multiprocessor
+# would remain, up to MAX_EXPAND_GROUP_TILES. That paid while y moved element by element (H100, bf16, µs at 1 / 2 /
+# 4 / 8 / 16 tiles a program: a 2048-token prefill's gate_up 104.8 / 109.4 / 100.9 / 96.4 / 93.9), no longer since
+# it moves in vectors (SLICE_ALIGN): H200, a profiled 1B-class LoRA run's expand took 54.0 ms of device time at up to
+# 8 tiles a program, 51.3-51.5 at up to 2 and 48.5 at 1 (4,608 calls, two runs each). `bench gpu` still times groups.
+EXPAND_PROGRAMS_PER_SM = 4
+MAX_EXPAND_GROUP_TILES = 1
 
 
 def lora_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta) -> None:
