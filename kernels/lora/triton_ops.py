@@ -44,7 +44,7 @@ SHRINK_LAUNCH = {"num_warps": 4, "num_stages": 3}
 SHRINK_PROGRAMS_PER_SM = 1
 MAX_SHRINK_PARTS = 4
 EXPAND_LAUNCH = {"num_warps": 4, "num_stages": 2}
-# Columns: the alignment the expand asserts for its slices' bounds when every slice width has it (_slice_align).
+# Columns: the alignment the expand asserts for its slices' bounds when every slice width has it (_slice_layout).
 # H200, bf16, a 2048-token prefill's gate_up expand 57.4 µs asserted, 105.8 not; in a profiled 1B-class LoRA run
 # the expand's 4,608 calls took 11.8 µs each against 18.8.
 SLICE_ALIGN = 16
@@ -115,14 +115,14 @@ def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_sli
     tiles, col_tiles = meta.tile_seg.shape[0], -(-max(output_slices) // EXPAND_BLOCK_N)
     group_tiles = expand_group_tiles(tiles * len(output_slices) * col_tiles, y.device)
     col_groups = -(-col_tiles // group_tiles)
+    slice_bounds, slice_align = _slice_layout(output_slices, y.device, SLICE_ALIGN)
     _expand(
         (tiles, len(output_slices) * col_groups),
         y, parts, lora_b, meta.sorted_token_idx, meta.seg_indptr, meta.seg_adapter_idx, meta.tile_seg,
-        meta.tile_start, _slice_bounds(output_slices, y.device), rank, col_groups, group_tiles,
+        meta.tile_start, slice_bounds, rank, col_groups, group_tiles,
         y.stride(0), y.stride(1), parts.stride(0), parts.stride(1), parts.stride(2),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-        meta.tile_tokens, EXPAND_BLOCK_N, block_k, parts.shape[0], rank <= block_k, _precision(lora_b),
-        _slice_align(output_slices),
+        meta.tile_tokens, EXPAND_BLOCK_N, block_k, parts.shape[0], rank <= block_k, _precision(lora_b), slice_align,
     )  # fmt: skip
 
 
@@ -158,23 +158,20 @@ def _check_dtypes(activations: Tensor, weights: Tensor) -> None:
         raise ValueError(f"tl.dot needs one dtype: activations are {activations.dtype}, weights {weights.dtype}")
 
 
-def _slice_align(output_slices: tuple[int, ...]) -> int:
-    """The largest of 16, 8... 1 that divides every slice width: what the expand may tell the compiler of its slices'
-    first columns, so that a row of y is loaded and stored in 16-byte vectors rather than element by element (a
-    column read from the slice bounds is otherwise of unknown alignment)."""
-    align = SLICE_ALIGN
-    while any(size % align for size in output_slices):
-        align //= 2
-    return align
-
-
 @functools.cache
-def _slice_bounds(output_slices: tuple[int, ...], device: torch.device) -> Tensor:
-    """[S+1] int32 on device: slice s is columns [bounds[s], bounds[s+1]) of y; one small tensor per layer shape."""
+def _slice_layout(output_slices: tuple[int, ...], device: torch.device, max_align: int) -> tuple[Tensor, int]:
+    """[S+1] int32 bounds on device (slice s is columns [bounds[s], bounds[s+1]) of y), and the largest of max_align,
+    max_align / 2... 1 that divides every slice width: what the expand may tell the compiler of its slices' first
+    columns, so that a row of y is loaded and stored in 16-byte vectors rather than element by element (a column
+    read from the bounds is otherwise of unknown alignment). One per layer shape (and SLICE_ALIGN, which `bench gpu`
+    sets to 1 to time the expand unaligned)."""
     bounds = [0]
     for size in output_slices:
         bounds.append(bounds[-1] + size)
-    return torch.tensor(bounds, dtype=torch.int32, device=device)
+    align = max_align
+    while any(size % align for size in output_slices):
+        align //= 2
+    return torch.tensor(bounds, dtype=torch.int32, device=device), align
 
 
 @triton.jit
