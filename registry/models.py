@@ -1,5 +1,5 @@
 """The registry's tables: adapters (name@version) and their files (by content digest), tenants, their API keys
-(hashed), and usage rollups.
+(hashed), usage rollups and the outcomes of usage flushes.
 
 SQLAlchemy 2.0 declarative models; the schema itself is created and changed only by Alembic
 (`migrations/`), never by `create_all`, so a PostgreSQL shared by many replicas and a local SQLite file
@@ -119,3 +119,17 @@ class UsageRollup(Base):
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class UsageFlush(Base):
+    """One Redis usage flush's outcome, keyed by its flush_id: written by the flusher in the transaction that adds
+    its counters ("committed"), or by a reclaimer that found the flush abandoned ("abandoned"). The primary key
+    decides which came first, so a flush's counters reach `usage_rollups` once or go back to pending, never both."""
+
+    __tablename__ = "usage_flushes"
+
+    flush_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    outcome: Mapped[str] = mapped_column(String(16))  # "committed" | "abandoned"
+    created_at: Mapped[dt.datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, server_default=func.now(), index=True
+    )

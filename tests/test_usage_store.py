@@ -6,21 +6,29 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import sqlite3
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import psycopg
 import pytest
+import sqlalchemy.exc
+from sqlalchemy import select, update
 
 from gateway.usage import UsageCounts, UsageFlusher, UsageKey, UsageRecord, usage_report
 from gateway.usage.memory_store import MemoryUsageStore
 from gateway.usage.record import merge_counters
 from gateway.usage.redis_store import RedisUsageStore
 from registry.db import create_engine, sessionmaker, upgrade
-from registry.usage import UsageRollups
+from registry.models import UsageFlush
+from registry.usage import ABANDONED, UsageRollups
+from tests import usage_crash
 from tests.services import RedisProcess
 
 DAY = dt.date(2026, 3, 10)
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
@@ -137,7 +145,7 @@ def test_failed_flush_keeps_counters_pending(new_store, tmp_path, tenant):
     async def main():
         good, broken, store = Database(good_url), Database(broken_url), new_store()
         await store.record("r1", usage(tenant, 5, 5))
-        with pytest.raises(Exception, match="usage_rollups"):
+        with pytest.raises(Exception, match="no such table: usage_"):
             await store.flush(broken.rollups)
         pending = pending_of(await store.pending(), tenant)
         await store.record("r2", usage(tenant, 1, 2))
@@ -346,6 +354,138 @@ def test_a_flush_that_died_committing_holds_no_report_back(redis_url, redis_key_
     assert fresh.totals == stale.totals == UsageCounts(1, 10, 1, 0)
     assert fresh_s >= (redis_store.REPORT_TRIES - 1) * redis_store.REPORT_RETRY_S > stale_s
     assert sum("flushes kept committing" in r.message for r in caplog.records) == 1
+
+
+def flush_and_die(redis_url: str, prefix: str, db_url: str, tenant: str, moment: str) -> None:
+    """Runs tests/usage_crash.py's flush that dies at `moment`, in a process of its own."""
+    argv = [sys.executable, "-m", "tests.usage_crash", redis_url, prefix, db_url, tenant, moment]
+    result = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == usage_crash.DIED, result.stderr
+
+
+async def flush_state(store: RedisUsageStore) -> tuple[int, list[str]]:
+    """How many flushes are in `committing`, and the claimed hashes left in Redis."""
+    committing = await store.redis.zcard(store._keys + "committing")
+    claimed = [key.decode() async for key in store.redis.scan_iter(match=store._keys + "flushing:*")]
+    return committing, sorted(claimed)
+
+
+@pytest.mark.parametrize("moment", ["before-commit", "after-commit"])
+def test_a_flush_whose_gateway_died_committing_is_settled_once(redis_url, redis_key_prefix, db_url, tenant, moment):
+    """A gateway killed with its flush in `committing`: before its commit, the counters must go back to pending and
+    reach the database through the next flush anywhere (they used to be lost); after it, its claimed copy must go,
+    counted once. Each way, nothing is left in `committing` or claimed."""
+    flush_and_die(redis_url, redis_key_prefix, db_url, tenant, moment)
+
+    async def main():
+        db = Database(db_url)
+        alive = RedisUsageStore(redis_url, key_prefix=redis_key_prefix, stale_commit_s=0.3)
+        left = await flush_state(alive)
+        early = await alive.flush(db.rollups)  # not stale yet: left alone
+        await asyncio.sleep(0.4)
+        await alive.flush(db.rollups)  # settles it (before-commit: back to pending, then flushed with the rest)
+        await alive.flush(db.rollups)
+        totals, pending = await db.totals(tenant), pending_of(await alive.pending(), tenant)
+        settled_state = await flush_state(alive)
+        await alive.close()
+        await db.close()
+        return left, early, totals, pending, settled_state
+
+    left, early, totals, pending, settled_state = asyncio.run(main())
+    assert left[0] == 1 and len(left[1]) == 1  # the dead flush: in `committing`, its claimed hash still there
+    assert early == {}
+    assert totals == expected(usage_crash.crash_record(tenant))
+    assert pending == {}
+    assert settled_state == (0, [])
+
+
+class RollupsWhoseCommitAnswerIsLost(UsageRollups):
+    """Commits, then raises as a connection that broke before the database's answer came back would."""
+
+    async def add(self, counters, commit_if=None, flush_id=None):
+        await super().add(counters, commit_if=commit_if, flush_id=flush_id)
+        lost = psycopg.OperationalError("server closed the connection unexpectedly")
+        raise sqlalchemy.exc.OperationalError("COMMIT", {}, lost)
+
+
+def test_a_commit_whose_answer_was_lost_counts_once(redis_url, redis_key_prefix, db_url, tenant):
+    """The commit took but its answer never came: giving the counters back would count them twice; the flusher asks
+    the database (usage_flushes) instead and drops its claimed copy."""
+
+    async def main():
+        db = Database(db_url)
+        store = RedisUsageStore(redis_url, key_prefix=redis_key_prefix)
+        await store.record("r1", usage(tenant, 8, 4))
+        with pytest.raises(sqlalchemy.exc.OperationalError):
+            await store.flush(RollupsWhoseCommitAnswerIsLost(db.rollups.sessions))
+        await store.flush(db.rollups)
+        totals, pending = await db.totals(tenant), pending_of(await store.pending(), tenant)
+        state = await flush_state(store)
+        await store.close()
+        await db.close()
+        return totals, pending, state
+
+    totals, pending, state = asyncio.run(main())
+    assert totals == expected(usage(tenant, 8, 4))
+    assert pending == {}
+    assert state == (0, [])
+
+
+def test_a_slow_commit_is_not_settled_under_it(redis_url, redis_key_prefix, db_url, tenant):
+    """A flusher alive but slow to commit, past another gateway's stale_commit_s: the other's settle waits for its
+    transaction (the flush_id's row is locked) and finds it committed, instead of giving the counters back."""
+
+    class SlowCommit(UsageRollups):
+        async def add(self, counters, commit_if=None, flush_id=None):
+            async def slowly() -> bool:
+                taken = await commit_if()
+                await asyncio.sleep(1.0)
+                return taken
+
+            return await super().add(counters, commit_if=slowly, flush_id=flush_id)
+
+    async def main():
+        db = Database(db_url)
+        slow = RedisUsageStore(redis_url, key_prefix=redis_key_prefix)
+        other = RedisUsageStore(redis_url, key_prefix=redis_key_prefix, stale_commit_s=0.2)
+        await slow.record("r1", usage(tenant, 8, 4))
+        slow_flush = asyncio.create_task(slow.flush(SlowCommit(db.rollups.sessions)))
+        await asyncio.sleep(0.5)  # the slow flush is in `committing`, stale to `other`
+        assert (await flush_state(other))[0] == 1
+        flushed = await asyncio.gather(slow_flush, other.flush(db.rollups))
+        totals, state = await db.totals(tenant), await flush_state(other)
+        for store in (slow, other):
+            await store.close()
+        await db.close()
+        return flushed, totals, state
+
+    flushed, totals, state = asyncio.run(main())
+    assert pending_of(flushed[0], tenant) == expected(usage(tenant, 8, 4))
+    assert totals == expected(usage(tenant, 8, 4))
+    assert state == (0, [])
+
+
+def test_old_flush_outcomes_are_forgotten(db_url):
+    async def main():
+        db = Database(db_url)
+        old, new = f"old-{uuid.uuid4().hex}", f"new-{uuid.uuid4().hex}"
+        for flush_id in (old, new):
+            assert await db.rollups.settle_flush(flush_id) == ABANDONED
+        async with db.rollups.sessions() as session:
+            await session.execute(
+                update(UsageFlush)
+                .where(UsageFlush.flush_id == old)
+                .values(created_at=dt.datetime(2020, 1, 1, tzinfo=dt.UTC))
+            )
+            await session.commit()
+        await db.rollups.forget_flushes(dt.datetime(2021, 1, 1, tzinfo=dt.UTC))
+        async with db.rollups.sessions() as session:
+            left = set(await session.scalars(select(UsageFlush.flush_id).where(UsageFlush.flush_id.in_([old, new]))))
+        await db.close()
+        return left, new
+
+    left, new = asyncio.run(main())
+    assert left == {new}
 
 
 def test_a_report_answers_when_redis_goes_down_while_it_reads(db_url, tenant, caplog):

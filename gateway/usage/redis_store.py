@@ -10,13 +10,16 @@ Keys (one hash tag, `{usage}`, so the scripts also run on a Redis Cluster):
   {p}usage:{usage}:flushes              how many flushes have committed: with `committing`, lets a report see
                                         whether a flush moved counters into the database while it read them
 
-Flush: claim -> read -> upsert in a DB transaction -> move the claim to `committing` (the flusher and a reclaimer
-race for it; the loser does nothing or rolls back) -> commit -> DEL, leave `committing`, count the flush. A failed
-upsert or commit gives the counters back.
+Flush: claim -> read -> record the flush_id and upsert in a DB transaction -> move the claim to `committing` (the
+flusher and a reclaimer race for it; the loser does nothing or rolls back) -> commit -> DEL, leave `committing`,
+count the flush. A failed upsert gives the counters back. A flush in `committing` for over `stale_commit_s` (its
+gateway died, or its commit failed without saying whether it took) is settled by the next flush anywhere through the
+database's `usage_flushes`: its flush_id's row says the transaction committed (the claimed copy is dropped), or
+`settle_flush` records it abandoned, after waiting for a transaction still open, and the counters go back to pending.
 
 Report: pending and claimed hashes in one script, then the database, then the `flushes` count again; it reads
 again while a flush is committing or when one committed in between, so no counter is counted twice or missed. A flush
-in `committing` for over COMMITTING_STALE_S (its gateway died) is not waited for.
+in `committing` for over `stale_commit_s` (its gateway died) is not waited for.
 
 Outage: `record` never raises. While Redis is unreachable records wait in a local buffer (keyed by request_id)
 and go to Redis, through the same idempotent script, on the next record or flush after it is back. A final
@@ -41,7 +44,8 @@ from redis.exceptions import RedisError
 
 from gateway.usage.record import UsageRecord, add_counts, merge_counters
 from gateway.usage.store import DEDUPE_TTL_S, T, UsageStore
-from registry.usage import UsageCounts, UsageKey, UsageRollups
+from registry.errors import UNAVAILABLE, describe
+from registry.usage import COMMITTED, UsageCounts, UsageKey, UsageRollups
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +54,9 @@ CLAIM_TTL_S = 7 * 24 * 3600  # a claimed hash nobody could resolve is dropped af
 REPORT_TRIES = 100  # reads of a report that a committing flush can spoil before it settles for the last one
 REPORT_RETRY_S = 0.01
 # A flush commits within milliseconds of entering `committing`: one still there after this died (or its database
-# hangs), and a report stops waiting for it (at worst, that report counts that flush twice).
+# hangs): a report stops waiting for it (at worst, that report counts that flush twice), and the next flush settles it.
 COMMITTING_STALE_S = 10.0
+FORGET_FLUSHES_EVERY_S = 3600.0  # how often a store deletes flush outcomes older than any claimed hash can live
 
 # KEYS: seen, pending. ARGV: dedupe ttl, then (field, increment) pairs.
 _RECORD = """
@@ -82,6 +87,17 @@ return 1
 _START_COMMIT = """
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+return 1
+"""
+# KEYS: flushing, pending, committing, flushes. ARGV: flush_id, committed (0/1). Settles a stale `committing` flush.
+_SETTLE = """
+if redis.call('ZREM', KEYS[3], ARGV[1]) == 0 then return 0 end
+if ARGV[2] == '0' then
+  local fields = redis.call('HGETALL', KEYS[1])
+  for i = 1, #fields, 2 do redis.call('HINCRBY', KEYS[2], fields[i], fields[i + 1]) end
+end
+redis.call('DEL', KEYS[1])
+redis.call('INCR', KEYS[4])
 return 1
 """
 # KEYS: flushing, committing, flushes. ARGV: flush_id. Run after the commit.
@@ -127,12 +143,14 @@ class RedisUsageStore(UsageStore):
         dedupe_ttl_s: int = DEDUPE_TTL_S,
         stale_claim_s: float = 300.0,
         retry_interval_s: float = 1.0,
+        stale_commit_s: float = COMMITTING_STALE_S,
     ):
         self.redis = aioredis.from_url(
             redis_url, socket_connect_timeout=1.0, socket_timeout=2.0, retry=Retry(NoBackoff(), 1)
         )
         self.dedupe_ttl_s = int(dedupe_ttl_s)
         self.stale_claim_s = stale_claim_s
+        self.stale_commit_s = stale_commit_s
         self.retry_interval_s = retry_interval_s
         self._keys = f"{key_prefix}usage:{{usage}}:"
         self._record = self.redis.register_script(_RECORD)
@@ -140,6 +158,7 @@ class RedisUsageStore(UsageStore):
         self._give_back = self.redis.register_script(_GIVE_BACK)
         self._start_commit = self.redis.register_script(_START_COMMIT)
         self._committed = self.redis.register_script(_COMMITTED)
+        self._settle = self.redis.register_script(_SETTLE)
         self._snapshot = self.redis.register_script(_SNAPSHOT)
         self._buffer: dict[str, UsageRecord] = {}  # request_id -> record Redis did not take yet
         self._unresolved: set[str] = set()  # our claims whose give-back failed: retried on the next flush
@@ -147,6 +166,7 @@ class RedisUsageStore(UsageStore):
         self._in_flight: set[asyncio.Task] = set()  # records still running after their caller was cancelled
         self._retry_at = 0.0  # monotonic time before which Redis is taken as down without asking
         self._in_outage = False
+        self._forget_at = 0.0  # monotonic time of the next deletion of old flush outcomes
 
     # ---- recording ----
 
@@ -208,7 +228,9 @@ class RedisUsageStore(UsageStore):
         try:
             if await self._drain_buffer():
                 await self._give_back_claims()
+                await self._settle_stale_commits(rollups)
                 flushed = await self._flush_pending(rollups)
+                await self._forget_old_flushes(rollups)
         except REDIS_ERRORS as e:
             self._redis_failed(e)
             logger.warning("usage: flush postponed, Redis unreachable: %s", e)
@@ -225,8 +247,41 @@ class RedisUsageStore(UsageStore):
         for flush_id in (raw.decode() for raw in stale):
             if await self._give_back(keys=self._claim_keys(flush_id), args=[flush_id, 1]):
                 logger.warning("usage: took back counters of flush %s, whose flusher did not finish", flush_id)
-        if await self.redis.zremrangebyscore(self._keys + "committing", "-inf", time.time() - COMMITTING_STALE_S):
-            logger.warning("usage: forgot flushes whose flusher stopped while committing them to the database")
+
+    async def _settle_stale_commits(self, rollups: UsageRollups) -> None:
+        """Settles each flush left in `committing` for over stale_commit_s by its outcome in the database: its claimed
+        copy is dropped if its transaction committed, given back to pending if not."""
+        stale = await self.redis.zrangebyscore(self._keys + "committing", "-inf", time.time() - self.stale_commit_s)
+        for flush_id in (raw.decode() for raw in stale):
+            await self._settle_commit(rollups, flush_id)
+
+    async def _forget_old_flushes(self, rollups: UsageRollups) -> None:
+        """Once an hour, deletes the flush outcomes no claimed hash can outlive: a flush's outcome is recorded after
+        its claim, whose hash expires CLAIM_TTL_S after it (plus a day of slack for the clocks)."""
+        if time.monotonic() < self._forget_at:
+            return
+        self._forget_at = time.monotonic() + FORGET_FLUSHES_EVERY_S
+        before = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=CLAIM_TTL_S + 24 * 3600)
+        try:
+            await rollups.forget_flushes(before)
+        except UNAVAILABLE as e:
+            logger.warning("usage: could not delete old flush outcomes (next try in an hour): %s", describe(e))
+
+    async def _settle_commit(self, rollups: UsageRollups, flush_id: str) -> bool:
+        """Settles one flush in `committing` (see _settle_stale_commits); False when the database could not say yet."""
+        try:
+            committed = await rollups.settle_flush(flush_id) == COMMITTED
+        except UNAVAILABLE as e:
+            logger.warning("usage: flush %s, stopped while committing, stays unsettled: %s", flush_id, describe(e))
+            return False
+        flushing, pending, _, committing = self._claim_keys(flush_id)
+        keys = [flushing, pending, committing, self._keys + "flushes"]
+        if await self._settle(keys=keys, args=[flush_id, int(committed)]):
+            if committed:
+                logger.warning("usage: flush %s had committed before its flusher stopped; dropped its copy", flush_id)
+            else:
+                logger.warning("usage: flush %s stopped before its commit; its counters are pending again", flush_id)
+        return True
 
     def _claim_keys(self, flush_id: str) -> list[str]:
         keys = self._keys
@@ -238,15 +293,24 @@ class RedisUsageStore(UsageStore):
         if not await self._claim(keys=[pending, flushing, claims], args=[flush_id, time.time(), CLAIM_TTL_S]):
             return {}
         counters = _parse_hash(await self.redis.hgetall(flushing))
-        try:
+        commit_started = False
+
+        async def commit_if() -> bool:
             # committed only if the claim is still ours: a reclaimer that took it back made it pending again
-            if not await rollups.add(counters, commit_if=lambda: self._take_claim_to_commit(flush_id)):
+            nonlocal commit_started
+            commit_started = await self._take_claim_to_commit(flush_id)
+            return commit_started
+
+        try:
+            if not await rollups.add(counters, commit_if=commit_if, flush_id=flush_id):
                 return {}
-        except REDIS_ERRORS:
-            self._unresolved.add(flush_id)  # the claim may have moved to `committing`: resolved on the next flush
-            raise
-        except BaseException:
-            await self._give_back_own(flush_id)
+        except BaseException as e:
+            if commit_started:  # the commit failed, but may have taken: the database's outcome decides
+                await asyncio.shield(self._settle_commit(rollups, flush_id))
+            elif isinstance(e, REDIS_ERRORS):
+                self._unresolved.add(flush_id)  # the claim may have moved to `committing`: resolved on the next flush
+            else:
+                await self._give_back_own(flush_id)
             raise
         await self._committed(keys=[flushing, committing, self._keys + "flushes"], args=[flush_id])
         return counters
@@ -321,7 +385,7 @@ class RedisUsageStore(UsageStore):
 
     async def _read_snapshot(self, with_hashes: bool) -> list:
         keys = [self._keys + name for name in ("flushes", "committing", "pending", "claims")]
-        args = [self._keys + "flushing:", time.time() - COMMITTING_STALE_S, int(with_hashes)]
+        args = [self._keys + "flushing:", time.time() - self.stale_commit_s, int(with_hashes)]
         flushes, committing, *hashes = await self._snapshot(keys=keys, args=args)
         return [int(flushes), int(committing), *hashes]
 
