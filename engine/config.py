@@ -77,8 +77,9 @@ class EngineConfig:
     )
     screened_greedy: bool = option(
         True,
-        "CPU fp32 with native bf16 matmuls: greedy steps run the LM head in bf16 and recompute in fp32 only the "
-        "tokens that can still be the maximum (the same tokens, ~half the head's cost)",
+        "CPU fp32 with native bf16 matmuls (else int8 dot products, VNNI): greedy steps run the LM head in bf16 "
+        "(int8) and recompute in fp32 only the tokens that can still be the maximum (the same tokens, ~1/2 (~1/3) of "
+        "the head's cost)",
     )
     decode_stack: bool = option(
         True,

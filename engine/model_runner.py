@@ -16,11 +16,12 @@ import torch
 from adapters.base_spec import BaseModelSpec
 from adapters.cache import AdapterCache
 from engine.config import EngineConfig
+from engine.cpu_features import has_int8_dot
 from engine.cpu_malloc import keep_freed_memory
 from engine.cpu_threads import run_alone
 from engine.decode_graphs import DecodeGraphs
 from engine.layers.decode_stack import DecodeStack
-from engine.layers.greedy_head import ScreenedGreedyHead
+from engine.layers.greedy_head import Int8ScreenedGreedyHead, ScreenedGreedyHead
 from engine.layers.lora_linear import LoRALinear
 from engine.layers.packed_linear import can_pack, pack_linears
 from engine.model_loader import load_model
@@ -84,17 +85,24 @@ class ModelRunner:
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
         )
 
-    def _greedy_head(self) -> ScreenedGreedyHead | None:
-        """The bf16-screened greedy head where it pays: an fp32 model on a CPU with native bf16 matmuls, the C++
-        kernels built (off with screened_greedy=False)."""
+    def _greedy_head(self) -> ScreenedGreedyHead | Int8ScreenedGreedyHead | None:
+        """The screened greedy head where it pays, for an fp32 model on a CPU with the C++ kernels built (off with
+        screened_greedy=False): screened by bf16 logits where the CPU has native bf16 matmuls, else by int8 ones
+        where it has int8 dot products (VNNI)."""
         config = self.config
         if not config.screened_greedy or self.device.type != "cpu" or config.torch_dtype != torch.float32:
             return None
-        if not can_pack(self.device, torch.bfloat16) or cpu_native.load() is None:  # its bf16 head is packed
+        if cpu_native.load() is None:
             return None
-        head = ScreenedGreedyHead(self.model.lm_head.weight)
-        logger.info("greedy steps take the LM head in bf16, screened, only the candidates in fp32 (exact argmax)")
-        return head
+        if can_pack(self.device, torch.bfloat16):  # its bf16 head is packed
+            logger.info("greedy steps take the LM head in bf16, screened, only the candidates in fp32 (exact argmax)")
+            return ScreenedGreedyHead(self.model.lm_head.weight)
+        if has_int8_dot():
+            logger.info(
+                "greedy steps take the LM head in int8 (VNNI), screened, only the candidates in fp32 (exact argmax)"
+            )
+            return Int8ScreenedGreedyHead(self.model.lm_head.weight)
+        return None
 
     def _enable_lora(self) -> None:
         """Stacked adapter rows in an AdapterCache, and every LoRA-able linear wrapped to read them."""

@@ -1,14 +1,14 @@
-"""The bf16-screened greedy head (engine/layers/greedy_head.py, kernels/sampling's screen): its tokens are the argmax
-of the fp32 logits, also where bf16 alone would pick another token, and the engine's greedy tokens are the same with
-the head as without it."""
+"""The screened greedy heads (engine/layers/greedy_head.py, kernels/sampling's screens), bf16 and int8: their tokens
+are the argmax of the fp32 logits, also where bf16 or int8 alone would pick another token, and the engine's greedy
+tokens are the same with either head as without it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.cpu_features import half_dtype_support
-from engine.layers.greedy_head import ScreenedGreedyHead
+from engine.cpu_features import half_dtype_support, has_int8_dot
+from engine.layers.greedy_head import Int8ScreenedGreedyHead, ScreenedGreedyHead
 from engine.llm import LLM
 from engine.sampler import NON_FINITE, Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
@@ -55,6 +55,56 @@ def test_a_non_finite_hidden_state_gives_no_token_and_an_overflowed_screen_canno
     assert tokens[0] == (hidden[0].double() @ weight.double().T).argmax()
 
 
+@pytest.mark.parametrize("vocab", [7, 16, 1003, 32000])
+def test_int8_screened_tokens_are_the_fp32_logits_argmax(vocab, require_cpu_kernel):
+    g = torch.Generator().manual_seed(vocab)
+    hidden, weight = torch.randn(24, 64, generator=g) * 3, torch.randn(vocab, 64, generator=g) * 0.05
+    hidden[3] = 0.0  # a row of zeros: its scale is the smallest float, every logit 0, token 0
+    exact = hidden.double() @ weight.double().T
+    assert torch.equal(Int8ScreenedGreedyHead(weight).tokens(hidden), exact.argmax(dim=-1))
+
+
+def test_near_ties_that_int8_gets_wrong_are_settled_in_fp32(require_cpu_kernel):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(32, 64, generator=g)
+    weight = torch.randn(500, 64, generator=g) * 0.02
+    for b in range(32):  # tokens 100 + b and 300 + b: the same int8 row, the later one higher in fp32
+        row = hidden[b] / hidden[b].norm() * 3.0
+        scale = row.abs().max() / 127
+        row = torch.round(row / scale) * scale  # exactly its int8 values times its scale
+        k = int((row.abs() < row.abs().max() - scale).nonzero()[0])  # not the largest: the scale stays
+        weight[300 + b] = weight[100 + b] = row
+        weight[300 + b, k] += 0.2 * scale * hidden[b, k].sign()  # rounds back to the same int8 value
+    exact = hidden.double() @ weight.double().T
+    head = Int8ScreenedGreedyHead(weight)
+    assert torch.equal(head.quantized_t.t()[100:132], head.quantized_t.t()[300:332])
+    assert torch.equal(head.terms[0, 100:132], head.terms[0, 300:332])  # int8 alone sees ties: it picks 100 + b
+    assert torch.equal(exact.argmax(dim=-1), torch.arange(300, 332))
+    assert torch.equal(head.tokens(hidden), exact.argmax(dim=-1))
+
+
+def test_int8_screen_bounds_hold_where_quantization_errs_most(require_cpu_kernel):
+    """Rows with one outlier each (the scale set by it, every other value rounded coarsely), a head with outliers
+    too: the screen's bound must still cover the error, so its tokens stay the fp32 argmax."""
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(16, 96, generator=g), torch.randn(4000, 96, generator=g) * 0.05
+    hidden[torch.arange(16), torch.arange(16)] = 400.0
+    weight[::7, 11] = -6.0
+    exact = hidden.double() @ weight.double().T
+    assert torch.equal(Int8ScreenedGreedyHead(weight).tokens(hidden), exact.argmax(dim=-1))
+
+
+def test_int8_screen_without_a_finite_head_or_hidden_state(require_cpu_kernel):
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(3, 32, generator=g), torch.randn(100, 32, generator=g)
+    hidden[1, 4] = float("nan")
+    tokens = Int8ScreenedGreedyHead(weight).tokens(hidden)
+    assert tokens[1] == NON_FINITE
+    assert tokens[0] == (hidden[0].double() @ weight.double().T).argmax()
+    weight[7, 3] = float("inf")
+    assert Int8ScreenedGreedyHead(weight).tokens(hidden[:1]) is None  # the screen cannot tell: full logits
+
+
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory, tokenizer):
     directory = tmp_path_factory.mktemp("screened")
@@ -63,14 +113,16 @@ def llm(tmp_path_factory, tokenizer):
     return llm, hf.lm_head.weight.detach()  # the head's fp32 weight (ours is packed for oneDNN, no dense copy)
 
 
-def test_the_engine_gives_the_same_greedy_tokens_with_the_screened_head_as_without(llm, require_cpu_kernel):
+@pytest.mark.parametrize("head_type", [ScreenedGreedyHead, Int8ScreenedGreedyHead])
+def test_the_engine_gives_the_same_greedy_tokens_with_the_screened_head_as_without(llm, head_type, require_cpu_kernel):
     # oneDNN's own check: it packs no bf16 weights without avx512bw or avx_ne_convert (AVX2 CPUs); the runner builds
-    # no screened head there (the test below holds it to that)
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        pytest.skip("oneDNN packs no bf16 weights on this CPU, so the screened head cannot be built")
+    # no bf16 screened head there (the test below holds it to that)
+    if head_type is ScreenedGreedyHead and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN packs no bf16 weights on this CPU, so the bf16 screened head cannot be built")
     llm, head_weight = llm
     runner = llm.engine.runner
-    runner.greedy_head = ScreenedGreedyHead(head_weight)  # on a CPU without native bf16 only slower
+    saved = runner.greedy_head
+    runner.greedy_head = head_type(head_weight)  # on a CPU without native bf16 (or VNNI) only slower
     calls = []
     tokens_of = runner.greedy_head.tokens
     runner.greedy_head.tokens = lambda hidden: calls.append(hidden.shape[0]) or tokens_of(hidden)
@@ -89,6 +141,7 @@ def test_the_engine_gives_the_same_greedy_tokens_with_the_screened_head_as_witho
     calls.clear()
     llm.generate(prompts[:1], with_logprobs)
     assert not calls  # a row that reads its logits takes the full head
+    runner.greedy_head = saved
 
 
 def test_only_rows_that_read_nothing_but_their_argmax_skip_the_full_logits():
@@ -105,11 +158,14 @@ def test_only_rows_that_read_nothing_but_their_argmax_skip_the_full_logits():
     assert not sampler.wants_argmax_only([SamplingRow(SamplingParams(temperature=0.7), [5], [], None)])
 
 
-def test_the_runner_builds_the_head_for_fp32_where_bf16_is_native_unless_turned_off(llm, require_cpu_kernel):
+def test_the_runner_builds_the_head_for_fp32_where_bf16_is_native_else_with_vnni_unless_turned_off(
+    llm, require_cpu_kernel
+):
     llm, _ = llm
-    native_bf16 = half_dtype_support("bfloat16")[0]
+    native_bf16, int8_dot = half_dtype_support("bfloat16")[0], has_int8_dot()
+    expected = ScreenedGreedyHead if native_bf16 else Int8ScreenedGreedyHead if int8_dot else type(None)
     model = llm.engine.config.model
     on = LLM(model=model, dtype="float32", device="cpu", num_kv_blocks=16)
-    assert (on.engine.runner.greedy_head is not None) == native_bf16
+    assert type(on.engine.runner.greedy_head) is expected
     off = LLM(model=model, dtype="float32", device="cpu", num_kv_blocks=16, screened_greedy=False)
     assert off.engine.runner.greedy_head is None

@@ -1,6 +1,7 @@
 """Greedy sampling fused for CPU (csrc/, built with the other C++ kernels by kernels/cpu_native.py): each row's argmax
 and its finiteness in one pass over the logits (`greedy_tokens`), and the greedy tokens of an fp32 LM head screened
-by its bf16 logits, only the candidates computed in fp32 (`screened_greedy_tokens`)."""
+by its bf16 logits (`screened_greedy_tokens`) or its int8 ones (`screened_greedy_tokens_int8`), only the candidates
+computed in fp32."""
 
 from __future__ import annotations
 
@@ -30,3 +31,21 @@ def screened_greedy_tokens(
     C++ kernels."""
     native = cpu_native.load()
     return None if native is None else native.screened_greedy_cpu(approx, hidden, weight, row_norms)
+
+
+def screened_greedy_tokens_int8(
+    dots: torch.Tensor,
+    hidden: torch.Tensor,
+    hidden_terms: torch.Tensor,
+    weight: torch.Tensor,
+    weight_terms: torch.Tensor,
+) -> torch.Tensor | None:
+    """The argmax of each row of the fp32 logits hidden @ weight.T, from dots, the int8 products of the quantized
+    hidden rows and head rows (hidden = s_h q_h + e_h, weight[v] = s_v q_v + e_v): only tokens whose fp32 logit can
+    still be the row's maximum, given the quantization errors' bound, are computed in fp32.
+    dots [B, V] int32 (q_h . q_v) · hidden [B, H] fp32 · hidden_terms [B, 2]: (s_h, |e_h|) · weight [V, H] fp32
+    (contiguous) · weight_terms [4, V]: (s_v, |e_v|, |s_v q_v|, |weight[v]|).
+    Returns [B] int64: a token, -1 where the logits are not finite, UNDECIDED where the screen is not; None without
+    the C++ kernels."""
+    native = cpu_native.load()
+    return None if native is None else native.screened_greedy_int8_cpu(dots, hidden, hidden_terms, weight, weight_terms)

@@ -1,18 +1,30 @@
-// Greedy tokens of an fp32 LM head without its full fp32 logits: the logits from a bfloat16 GEMM (twice as fast on
-// CPUs with native bf16 dot products) screen out every token that cannot be the fp32 maximum, and only the few
-// left are computed exactly, as fp32 dot products of the hidden state and the fp32 head rows.
+// Greedy tokens of an fp32 LM head without its full fp32 logits: approximate logits from a cheaper GEMM (bfloat16
+// where the CPU has native bf16 dot products, int8 where it has VNNI) screen out every token that cannot be the fp32
+// maximum, and only the few left are computed exactly, as fp32 dot products of the hidden state and the fp32 head
+// rows.
 //
-// Why it is exact: with bf16 inputs (8 significant bits) and fp32 accumulation, a bf16 logit a_i differs from the
-// real h . w_i by at most 2^-7 sum_j |h_j w_ij| (both factors rounded) + K 2^-24 sum_j |h_j w_ij| (the sum) +
-// 2^-8 |a_i| (the bf16 output), and sum_j |h_j w_ij| <= |h| |w_i|. Taking twice that, bound_i = 2^-6 |h| |w_i| +
-// 2^-7 |a_i|: the real maximum lies at or above L = max_i (a_i - bound_i), so every token whose real logit can
-// reach the maximum has a_i + bound_i >= L. Those candidates are computed in fp32 and the first maximal one wins,
-// as torch.argmax picks among equal values.
+// Why it is exact: each screen bounds |a_i - f_i|, a_i its approximate logit of token i and f_i the fp32 dot product
+// h . w_i that the screen computes for a candidate, by bound_i. The largest f_i lies at or above L = max_i (a_i -
+// bound_i), so every token whose f_i can reach the maximum has a_i + bound_i >= L. Those candidates are computed in
+// fp32 and the first maximal one wins, as torch.argmax picks among equal values.
+//
+// bf16: with bf16 inputs (8 significant bits) and fp32 accumulation, a_i differs from the real h . w_i by at most
+// 2^-7 sum_j |h_j w_ij| (both factors rounded) + K 2^-24 sum_j |h_j w_ij| (the sum) + 2^-8 |a_i| (the bf16 output),
+// and sum_j |h_j w_ij| <= |h| |w_i|. Taking twice that, bound_i = 2^-6 |h| |w_i| + 2^-7 |a_i|.
+//
+// int8: h = s_h q_h + e_h (one scale a row, q_h in [-127, 127]) and w_i = s_i q_i + e_i (one scale a vocabulary row),
+// a_i = s_h s_i (q_h . q_i), the integer dot product exact in int32. Then h . w_i - a_i = h . e_i + e_h . (s_i q_i),
+// so by Cauchy-Schwarz |h . w_i - a_i| <= |h| |e_i| + |e_h| |s_i q_i|, the norms of the rounding errors known
+// exactly (e_i's when the head is quantized, e_h's with h). The fp32 dot differs from the real one by at most
+// K 2^-24 |h| |w_i|, and a_i's own float products by 3 2^-24 |a_i|: bound_i = 1.0625 (|h| |e_i| + |e_h| |s_i q_i|)
+// + K 2^-24 |h| |w_i| + 2^-20 |a_i|, the slack covering the float arithmetic of the bound and the screen.
 //
 //   screened_greedy_cpu(approx [B, V] bfloat16, hidden [B, H] float32, weight [V, H] float32, row_norms [V] float32)
+//   screened_greedy_int8_cpu(dots [B, V] int32, hidden [B, H] float32, hidden_terms [B, 2] float32 (s_h, |e_h|),
+//                            weight [V, H] float32, weight_terms [4, V] float32 (s_i, |e_i|, |s_i q_i|, |w_i|))
 //       -> [B] int64: the token of each row; -1 where a candidate's fp32 logit is NaN or infinite (the row's
-//          logits are not finite); -2 where the screen cannot tell (a bf16 logit is NaN or infinite): the caller
-//          then computes the full logits.
+//          logits are not finite); -2 where the screen cannot tell (an approximate logit is NaN or infinite): the
+//          caller then computes the full logits.
 
 #include "cpu_vec.h"
 
@@ -31,8 +43,11 @@ using loraplex::check_rows;
 using loraplex::load_f32;
 using loraplex::Vec;
 
-constexpr float kProductBound = 1.f / 64;  // 2^-6: twice the bf16 products' and the fp32 sum's relative error
-constexpr float kOutputBound = 1.f / 128;  // 2^-7: twice the bf16 output's rounding
+constexpr float kProductBound = 1.f / 64;  // bf16: 2^-6, twice the products' and the fp32 sum's relative error
+constexpr float kOutputBound = 1.f / 128;  // bf16: 2^-7, twice the bf16 output's rounding
+constexpr float kInt8Slack = 1.0625f;  // int8: the margin on the Cauchy-Schwarz terms for float arithmetic
+constexpr float kInt8OutputBound = 1.f / (1 << 20);  // int8: the approximate logit's float products, with margin
+constexpr float kUlp = 1.f / (1 << 24);
 
 float dot(const float* a, const float* b, int64_t n) {
   Vec acc(0.f);
@@ -43,26 +58,55 @@ float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// The screen's bound on |a_i - h . w_i|: scale |w_i| + kOutputBound |a_i| (scale = kProductBound |h|), for a vector
-// of tokens and for one.
-inline Vec bound(const Vec& a, const Vec& norm, const Vec& scale) {
-  return at::vec::fmadd(scale, norm, Vec(kOutputBound) * a.abs());
-}
-inline float bound(float a, float norm, float scale) { return scale * norm + kOutputBound * std::abs(a); }
+// A screen of one row: value(i) gives tokens i .. i + lanes - 1's approximate logits, bound(i, a) their bounds
+// (value1 / bound1: one token, for the tail of the vocabulary).
+struct Bf16Screen {
+  const BFloat16* approx;
+  const float* norms;
+  float scale;  // kProductBound |h|
 
-int64_t screened_row(const BFloat16* approx, const float* h, const float* weight, const float* norms, int64_t vocab,
-                     int64_t hidden) {
-  const float h_norm = std::sqrt(dot(h, h, hidden));
-  if (!std::isfinite(h_norm)) return -1;  // a NaN or an infinity in the hidden state reaches every logit
-  const float h_scale = kProductBound * h_norm;
-  const Vec scale(h_scale);
+  Vec value(int64_t i) const { return load_f32(approx + i); }
+  float value1(int64_t i) const { return static_cast<float>(approx[i]); }
+  Vec bound(int64_t i, const Vec& a) const {
+    return at::vec::fmadd(Vec(scale), Vec::loadu(norms + i), Vec(kOutputBound) * a.abs());
+  }
+  float bound1(int64_t i, float a) const { return scale * norms[i] + kOutputBound * std::abs(a); }
+};
+
+struct Int8Screen {
+  const int32_t* dots;
+  const float* w_scale;  // s_i
+  const float* w_error;  // |e_i|
+  const float* w_quantized;  // |s_i q_i|
+  const float* w_norm;  // |w_i|
+  float h_scale, c_error, c_quantized, c_norm;  // s_h, 1.0625 |h|, 1.0625 |e_h|, K 2^-24 |h|
+
+  Vec value(int64_t i) const {
+    float lane[Vec::size()];
+    for (int64_t l = 0; l < Vec::size(); ++l) lane[l] = static_cast<float>(dots[i + l]);
+    return Vec::loadu(lane) * Vec(h_scale) * Vec::loadu(w_scale + i);
+  }
+  float value1(int64_t i) const { return static_cast<float>(dots[i]) * h_scale * w_scale[i]; }
+  Vec bound(int64_t i, const Vec& a) const {
+    Vec b = at::vec::fmadd(Vec(c_error), Vec::loadu(w_error + i), Vec(kInt8OutputBound) * a.abs());
+    b = at::vec::fmadd(Vec(c_quantized), Vec::loadu(w_quantized + i), b);
+    return at::vec::fmadd(Vec(c_norm), Vec::loadu(w_norm + i), b);
+  }
+  float bound1(int64_t i, float a) const {
+    return c_error * w_error[i] + c_quantized * w_quantized[i] + c_norm * w_norm[i] + kInt8OutputBound * std::abs(a);
+  }
+};
+
+// The first token of the row's largest fp32 logit among the screen's candidates (see the top of the file).
+template <class Screen>
+int64_t screened_row(const Screen& screen, const float* h, const float* weight, int64_t vocab, int64_t hidden) {
   constexpr int64_t kLanes = Vec::size();
   const int64_t body = vocab / kLanes * kLanes;
   Vec lowest(-std::numeric_limits<float>::infinity()), poison(0.f);
   for (int64_t i = 0; i < body; i += kLanes) {  // L = max_i (a_i - bound_i)
-    const Vec a = load_f32(approx + i);
+    const Vec a = screen.value(i);
     poison = poison + a * Vec(0.f);  // 0 for finite values, NaN from the first NaN or infinity on
-    lowest = at::vec::maximum(lowest, a - bound(a, Vec::loadu(norms + i), scale));
+    lowest = at::vec::maximum(lowest, a - screen.bound(i, a));
   }
   float lane[kLanes];
   poison.store(lane);
@@ -70,9 +114,9 @@ int64_t screened_row(const BFloat16* approx, const float* h, const float* weight
     if (lane[l] != 0.f) return -2;
   float floor = lowest.reduce_max();
   for (int64_t i = body; i < vocab; ++i) {
-    const float a = static_cast<float>(approx[i]);
+    const float a = screen.value1(i);
     if (!std::isfinite(a)) return -2;
-    floor = std::max(floor, a - bound(a, norms[i], h_scale));
+    floor = std::max(floor, a - screen.bound1(i, a));
   }
   float best = -std::numeric_limits<float>::infinity();
   int64_t best_at = -1;
@@ -84,18 +128,27 @@ int64_t screened_row(const BFloat16* approx, const float* h, const float* weight
   };
   const Vec vfloor(floor);
   for (int64_t i = 0; i < body; i += kLanes) {
-    const Vec a = load_f32(approx + i);
-    const Vec upper = a + bound(a, Vec::loadu(norms + i), scale);
+    const Vec a = screen.value(i);
+    const Vec upper = a + screen.bound(i, a);
     const int below = (upper >= vfloor).zero_mask();  // bit l set: lane l cannot reach the maximum
     if (below == (1 << kLanes) - 1) continue;
     for (int64_t l = 0; l < kLanes; ++l)
       if (!(below >> l & 1) && !consider(i + l)) return -1;
   }
   for (int64_t i = body; i < vocab; ++i) {
-    const float a = static_cast<float>(approx[i]);
-    if (a + bound(a, norms[i], h_scale) >= floor && !consider(i)) return -1;
+    const float a = screen.value1(i);
+    if (a + screen.bound1(i, a) >= floor && !consider(i)) return -1;
   }
   return best_at;
+}
+
+// |h|, or NaN / infinity where h holds one (which then reaches every logit: the row has no token).
+float norm(const float* h, int64_t hidden) { return std::sqrt(dot(h, h, hidden)); }
+
+void check_weight(const at::Tensor& weight, int64_t vocab, int64_t dim) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "weight: contiguous [V, H] float32");
+  TORCH_CHECK(weight.size(0) == vocab && weight.size(1) == dim, "weight must be [", vocab, ", ", dim, "]");
 }
 
 }  // namespace
@@ -104,14 +157,12 @@ at::Tensor screened_greedy_cpu(const at::Tensor& approx, const at::Tensor& hidde
                                const at::Tensor& row_norms) {
   check_rows(approx, "approx", at::kBFloat16);
   check_rows(hidden, "hidden");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
-              "weight: contiguous [V, H] float32");
-  TORCH_CHECK(row_norms.dim() == 1 && row_norms.scalar_type() == at::kFloat && row_norms.is_contiguous(),
-              "row_norms: contiguous [V] float32");
   const int64_t num_rows = approx.size(0), vocab = approx.size(1), dim = hidden.size(1);
   TORCH_CHECK(hidden.size(0) == num_rows, "hidden has ", hidden.size(0), " rows, approx ", num_rows);
-  TORCH_CHECK(weight.size(0) == vocab && weight.size(1) == dim && row_norms.size(0) == vocab,
-              "weight must be [", vocab, ", ", dim, "] and row_norms [", vocab, "]");
+  check_weight(weight, vocab, dim);
+  TORCH_CHECK(row_norms.dim() == 1 && row_norms.scalar_type() == at::kFloat && row_norms.is_contiguous() &&
+                  row_norms.size(0) == vocab,
+              "row_norms: contiguous [", vocab, "] float32");
   auto out = at::empty({num_rows}, approx.options().dtype(at::kLong));
   const BFloat16* a = approx.data_ptr<at::BFloat16>();
   const float* h = hidden.data_ptr<float>();
@@ -120,14 +171,72 @@ at::Tensor screened_greedy_cpu(const at::Tensor& approx, const at::Tensor& hidde
   int64_t* tokens = out.data_ptr<int64_t>();
   const int64_t a_stride = approx.stride(0), h_stride = hidden.stride(0);
   at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      tokens[b] = screened_row(a + b * a_stride, h + b * h_stride, w, norms, vocab, dim);
+    for (int64_t b = begin; b < end; ++b) {
+      const float* row = h + b * h_stride;
+      const float h_norm = norm(row, dim);
+      if (!std::isfinite(h_norm)) {
+        tokens[b] = -1;
+        continue;
+      }
+      const Bf16Screen screen{a + b * a_stride, norms, kProductBound * h_norm};
+      tokens[b] = screened_row(screen, row, w, vocab, dim);
+    }
+  });
+  return out;
+}
+
+at::Tensor screened_greedy_int8_cpu(const at::Tensor& dots, const at::Tensor& hidden, const at::Tensor& hidden_terms,
+                                    const at::Tensor& weight, const at::Tensor& weight_terms) {
+  check_rows(dots, "dots", at::kInt);
+  check_rows(hidden, "hidden");
+  const int64_t num_rows = dots.size(0), vocab = dots.size(1), dim = hidden.size(1);
+  TORCH_CHECK(hidden.size(0) == num_rows, "hidden has ", hidden.size(0), " rows, dots ", num_rows);
+  TORCH_CHECK(hidden_terms.dim() == 2 && hidden_terms.size(0) == num_rows && hidden_terms.size(1) == 2 &&
+                  hidden_terms.scalar_type() == at::kFloat && hidden_terms.is_contiguous(),
+              "hidden_terms: contiguous [", num_rows, ", 2] float32");
+  check_weight(weight, vocab, dim);
+  TORCH_CHECK(weight_terms.dim() == 2 && weight_terms.size(0) == 4 && weight_terms.size(1) == vocab &&
+                  weight_terms.scalar_type() == at::kFloat && weight_terms.is_contiguous(),
+              "weight_terms: contiguous [4, ", vocab, "] float32");
+  auto out = at::empty({num_rows}, dots.options().dtype(at::kLong));
+  const int32_t* d = dots.data_ptr<int32_t>();
+  const float* h = hidden.data_ptr<float>();
+  const float* h_terms = hidden_terms.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const float* w_terms = weight_terms.data_ptr<float>();
+  int64_t* tokens = out.data_ptr<int64_t>();
+  const int64_t d_stride = dots.stride(0), h_stride = hidden.stride(0);
+  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* row = h + b * h_stride;
+      const float h_norm = norm(row, dim);
+      if (!std::isfinite(h_norm)) {
+        tokens[b] = -1;
+        continue;
+      }
+      const Int8Screen screen{d + b * d_stride,
+                              w_terms,
+                              w_terms + vocab,
+                              w_terms + 2 * vocab,
+                              w_terms + 3 * vocab,
+                              h_terms[2 * b],
+                              kInt8Slack * h_norm,
+                              kInt8Slack * h_terms[2 * b + 1],
+                              static_cast<float>(dim) * kUlp * h_norm};
+      tokens[b] = screened_row(screen, row, w, vocab, dim);
+    }
   });
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(loraplex, m) {
   m.def("screened_greedy_cpu(Tensor approx, Tensor hidden, Tensor weight, Tensor row_norms) -> Tensor");
+  m.def(
+      "screened_greedy_int8_cpu(Tensor dots, Tensor hidden, Tensor hidden_terms, Tensor weight, Tensor weight_terms) "
+      "-> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(loraplex, CPU, m) { m.impl("screened_greedy_cpu", &screened_greedy_cpu); }
+TORCH_LIBRARY_IMPL(loraplex, CPU, m) {
+  m.impl("screened_greedy_cpu", &screened_greedy_cpu);
+  m.impl("screened_greedy_int8_cpu", &screened_greedy_int8_cpu);
+}
