@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.cpu_features import half_dtype_support, has_int8_dot
-from engine.layers.greedy_head import Int8ScreenedGreedyHead, ScreenedGreedyHead
+from engine.layers.greedy_head import Int8HeadLayout, Int8ScreenedGreedyHead, ScreenedGreedyHead
 from engine.llm import LLM
 from engine.sampler import NON_FINITE, Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
@@ -55,13 +55,19 @@ def test_a_non_finite_hidden_state_gives_no_token_and_an_overflowed_screen_canno
     assert tokens[0] == (hidden[0].double() @ weight.double().T).argmax()
 
 
+def int8_screen(hidden: torch.Tensor, weight: torch.Tensor, exact_channels: list[int] = ()) -> torch.Tensor:
+    layout = Int8HeadLayout(weight.contiguous(), torch.tensor(exact_channels, dtype=torch.long))
+    return layout.screen(hidden)[0]
+
+
+@pytest.mark.parametrize("exact_channels", [[], [0, 5, 63]])
 @pytest.mark.parametrize("vocab", [7, 16, 1003, 32000])
-def test_int8_screened_tokens_are_the_fp32_logits_argmax(vocab, require_cpu_kernel):
+def test_int8_screened_tokens_are_the_fp32_logits_argmax(vocab, exact_channels, require_cpu_kernel):
     g = torch.Generator().manual_seed(vocab)
     hidden, weight = torch.randn(24, 64, generator=g) * 3, torch.randn(vocab, 64, generator=g) * 0.05
     hidden[3] = 0.0  # a row of zeros: its scale is the smallest float, every logit 0, token 0
     exact = hidden.double() @ weight.double().T
-    assert torch.equal(Int8ScreenedGreedyHead(weight).tokens(hidden), exact.argmax(dim=-1))
+    assert torch.equal(int8_screen(hidden, weight, exact_channels), exact.argmax(dim=-1))
 
 
 def test_near_ties_that_int8_gets_wrong_are_settled_in_fp32(require_cpu_kernel):
@@ -76,11 +82,11 @@ def test_near_ties_that_int8_gets_wrong_are_settled_in_fp32(require_cpu_kernel):
         weight[300 + b] = weight[100 + b] = row
         weight[300 + b, k] += 0.2 * scale * hidden[b, k].sign()  # rounds back to the same int8 value
     exact = hidden.double() @ weight.double().T
-    head = Int8ScreenedGreedyHead(weight)
-    assert torch.equal(head.quantized_t.t()[100:132], head.quantized_t.t()[300:332])
-    assert torch.equal(head.terms[0, 100:132], head.terms[0, 300:332])  # int8 alone sees ties: it picks 100 + b
+    layout = Int8HeadLayout(weight, torch.tensor([], dtype=torch.long))
+    assert torch.equal(layout.quantized_t.t()[100:132], layout.quantized_t.t()[300:332])
+    assert torch.equal(layout.terms[0, 100:132], layout.terms[0, 300:332])  # int8 alone sees ties: it picks 100 + b
     assert torch.equal(exact.argmax(dim=-1), torch.arange(300, 332))
-    assert torch.equal(head.tokens(hidden), exact.argmax(dim=-1))
+    assert torch.equal(layout.screen(hidden)[0], exact.argmax(dim=-1))
 
 
 def test_int8_screen_bounds_hold_where_quantization_errs_most(require_cpu_kernel):
@@ -91,18 +97,40 @@ def test_int8_screen_bounds_hold_where_quantization_errs_most(require_cpu_kernel
     hidden[torch.arange(16), torch.arange(16)] = 400.0
     weight[::7, 11] = -6.0
     exact = hidden.double() @ weight.double().T
-    assert torch.equal(Int8ScreenedGreedyHead(weight).tokens(hidden), exact.argmax(dim=-1))
+    assert torch.equal(int8_screen(hidden, weight), exact.argmax(dim=-1))
+    assert torch.equal(int8_screen(hidden, weight, [3, 11, 40]), exact.argmax(dim=-1))
+
+
+def test_int8_head_takes_outlier_channels_exactly_and_turns_off_where_it_cannot_pay(require_cpu_kernel, caplog):
+    """Hidden rows like a trained model's (a few channels 400x the rest): the head's calibration takes channels
+    exactly, which leaves few candidates, and its tokens are the fp32 argmax; on a vocabulary too small to pay for
+    the screen it turns itself off (None: the full head)."""
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(32, 256, generator=g), torch.randn(20000, 256, generator=g) * 0.05
+    hidden[:, [7, 99, 200]] *= 400.0
+    weight[:, [7, 99, 200]] /= 400.0  # as in trained heads: the outliers move every logit about alike
+    exact = hidden.double() @ weight.double().T
+    head = Int8ScreenedGreedyHead(weight)
+    assert head.tokens(hidden[:4]) is None and head.layout is None  # too few rows to calibrate on
+    with caplog.at_level("INFO", logger="engine.layers.greedy_head"):
+        assert torch.equal(head.tokens(hidden), exact.argmax(dim=-1))
+    assert set(head.layout.exact_channels.tolist()) >= {7, 99, 200}
+    assert head.layout.screen(hidden)[1].double().mean() < 200  # candidates a row, of 20,000
+    assert torch.equal(head.tokens(hidden[:3]), exact[:3].argmax(dim=-1))  # calibrated: any number of rows
+    assert "channels exact" in caplog.text
+    small = Int8ScreenedGreedyHead(weight[:20])
+    assert small.tokens(hidden) is None and small.off
 
 
 def test_int8_screen_without_a_finite_head_or_hidden_state(require_cpu_kernel):
     g = torch.Generator().manual_seed(1)
     hidden, weight = torch.randn(3, 32, generator=g), torch.randn(100, 32, generator=g)
     hidden[1, 4] = float("nan")
-    tokens = Int8ScreenedGreedyHead(weight).tokens(hidden)
+    tokens = int8_screen(hidden, weight)
     assert tokens[1] == NON_FINITE
     assert tokens[0] == (hidden[0].double() @ weight.double().T).argmax()
     weight[7, 3] = float("inf")
-    assert Int8ScreenedGreedyHead(weight).tokens(hidden[:1]) is None  # the screen cannot tell: full logits
+    assert int8_screen(hidden[:1], weight)[0] == UNDECIDED  # the screen cannot tell: the head takes full logits
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +151,8 @@ def test_the_engine_gives_the_same_greedy_tokens_with_the_screened_head_as_witho
     runner = llm.engine.runner
     saved = runner.greedy_head
     runner.greedy_head = head_type(head_weight)  # on a CPU without native bf16 (or VNNI) only slower
+    if head_type is Int8ScreenedGreedyHead:  # screen every step, with two channels exact (uncalibrated)
+        runner.greedy_head.layout = Int8HeadLayout(runner.greedy_head.weight, torch.tensor([1, 17]))
     calls = []
     tokens_of = runner.greedy_head.tokens
     runner.greedy_head.tokens = lambda hidden: calls.append(hidden.shape[0]) or tokens_of(hidden)

@@ -13,11 +13,18 @@ kept beside the packed fp32 copy), and a bf16 copy (1.5x the head's fp32 bytes o
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kernels.sampling import UNDECIDED, screened_greedy_tokens, screened_greedy_tokens_int8
 
+logger = logging.getLogger(__name__)
+
 INT8_MAX = 127  # symmetric int8: q in [-127, 127]
+CALIBRATION_ROWS = 8  # the int8 head's first call with this many rows picks its layout (fewer: the full head)
+EXACT_CHANNEL_SHARES = (0.0, 1 / 64, 1 / 32, 1 / 16)  # of the hidden size, taken exactly, tried at calibration
+CALIBRATION_VOCAB_STRIDE = 8  # calibration tries the layouts on every 8th head row
 
 
 class ScreenedGreedyHead:
@@ -38,26 +45,90 @@ class ScreenedGreedyHead:
 
 
 class Int8ScreenedGreedyHead:
+    """The head screened by int8 logits. Trained models' final hidden states carry a few outlier channels (SmolLM2's
+    largest sits ~40x above the rest): one int8 scale a row would spend its range on them and screen out almost no
+    token. So the first call with CALIBRATION_ROWS rows or more picks how many of the largest channels to take
+    exactly in fp32 (a small GEMM beside the int8 one) by trying EXACT_CHANNEL_SHARES of them on those rows, and keeps
+    the layout with the least estimated cost; where none costs under half the fp32 head's, the screen turns itself
+    off (the full head, logged). Exact whatever the rows: a later outlier costs candidates, never a wrong token."""
+
     def __init__(self, weight: torch.Tensor):
         """weight: the LM head's [V, H] fp32 weight, before it is packed."""
         self.weight = weight.detach().contiguous()  # [V, H] fp32 (the same storage as a tied embedding's)
-        scale, quantized, error = _quantize_rows(self.weight)  # [V], [V, H], [V]
-        self.quantized_t = quantized.to(torch.int8).t()  # [H, V]: a [V, H] int8 tensor, _int_mm's column-major B
-        dequantized_norm = (quantized * scale[:, None]).norm(dim=1)  # [V]
-        self.terms = torch.stack([scale, error, dequantized_norm, self.weight.norm(dim=1)]).contiguous()  # [4, V]
+        self.layout: Int8HeadLayout | None = None
+        self.off = False  # calibrated, and the screen would not pay here
 
     def tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [B, H] fp32 -> [B] int64 greedy tokens (-1: the row's logits are not finite); None when the screen
-        cannot decide (the head holds a NaN or an infinity) or the kernel is missing: the caller computes full
-        logits."""
-        hidden = hidden.contiguous()
-        scale, quantized, error = _quantize_rows(hidden)  # [B], [B, H], [B]
-        dots = torch._int_mm(quantized.to(torch.int8), self.quantized_t)  # [B, V] int32, exact
-        hidden_terms = torch.stack([scale, error], dim=1)  # [B, 2]
-        token_ids = screened_greedy_tokens_int8(dots, hidden, hidden_terms, self.weight, self.terms)  # [B]
-        if token_ids is None or bool((token_ids == UNDECIDED).any()):
+        is not calibrated yet or off, cannot decide (the head holds a NaN or an infinity), or the kernel is missing:
+        the caller computes full logits."""
+        if self.layout is None and not self.off and hidden.shape[0] >= CALIBRATION_ROWS:
+            self.layout = self._calibrate(hidden.contiguous())
+        if self.layout is None:
             return None
-        return token_ids
+        screened = self.layout.screen(hidden)
+        if screened is None or bool((screened[0] == UNDECIDED).any()):
+            return None
+        return screened[0]
+
+    def _calibrate(self, hidden: torch.Tensor) -> Int8HeadLayout | None:
+        """The layout of least estimated cost on these rows, tried on every CALIBRATION_VOCAB_STRIDE-th head row (a
+        few hundred ms for all of them on the full head), in units of one fp32 dot product of a hidden row and a head
+        row: the int8 GEMM (~1/4 of fp32's), the exact channels' fp32 GEMM, and twice each candidate (a scattered
+        dot). Then builds the chosen one for the whole head."""
+        if not bool(torch.isfinite(hidden).all()):
+            return None  # no token to learn from: wait for finite rows
+        sample = self.weight[::CALIBRATION_VOCAB_STRIDE].contiguous()  # [V / stride, H]
+        vocab, dim = sample.shape
+        largest = hidden.abs().amax(dim=0).argsort(descending=True)  # [H] channels, largest magnitude first
+        best, best_cost, tried = None, float("inf"), []
+        for share in EXACT_CHANNEL_SHARES:
+            channels = largest[: round(dim * share)].sort().values
+            screened = Int8HeadLayout(sample, channels).screen(hidden)
+            if screened is None:
+                return None
+            candidates = screened[1].double().mean().item()
+            cost = vocab * (dim - channels.numel()) / (4 * dim) + vocab * channels.numel() / dim + 2 * candidates
+            tried.append(f"{channels.numel()}: {candidates:.0f}")
+            if cost < best_cost:
+                best, best_cost = channels, cost
+        self.off = best_cost >= vocab / 2
+        logger.info(
+            "int8 screened head: candidates a row of %d sampled tokens by channels taken exactly (%s): %s",
+            vocab,
+            ", ".join(tried),
+            "off, the full fp32 head pays better" if self.off else f"{best.numel()} channels exact",
+        )
+        return None if self.off else Int8HeadLayout(self.weight, best)
+
+
+class Int8HeadLayout:
+    """The head split by hidden channel: `exact_channels` kept in fp32 ([m, V], transposed for a GEMM), the others
+    quantized with one int8 scale a vocabulary row ([H - m, V] int8, the column-major B of torch._int_mm)."""
+
+    def __init__(self, weight: torch.Tensor, exact_channels: torch.Tensor):
+        """weight [V, H] fp32; exact_channels [m] int64, ascending."""
+        kept = torch.ones(weight.shape[1], dtype=torch.bool)
+        kept[exact_channels] = False
+        self.weight, self.exact_channels = weight, exact_channels
+        self.quantized_channels = kept.nonzero().flatten()  # [H - m]
+        part = weight.index_select(1, self.quantized_channels) if exact_channels.numel() else weight  # [V, H - m]
+        scale, quantized, error = _quantize_rows(part)  # [V], [V, H - m], [V]
+        self.quantized_t = quantized.to(torch.int8).t()  # [H - m, V]: a [V, H - m] int8 tensor
+        self.exact_t = weight.index_select(1, exact_channels).t().contiguous()  # [m, V]
+        dequantized_norm = (quantized * scale[:, None]).norm(dim=1)  # [V]
+        self.terms = torch.stack([scale, error, dequantized_norm, weight.norm(dim=1)]).contiguous()  # [4, V]
+
+    def screen(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """hidden [B, H] fp32 -> ([B] tokens, [B] candidates a row) from kernels/sampling's int8 screen."""
+        hidden = hidden.contiguous()
+        split = self.exact_channels.numel() > 0
+        part = hidden.index_select(1, self.quantized_channels) if split else hidden  # [B, H - m]
+        scale, quantized, error = _quantize_rows(part)  # [B], [B, H - m], [B]
+        dots = torch._int_mm(quantized.to(torch.int8), self.quantized_t)  # [B, V] int32, exact
+        exact = hidden.index_select(1, self.exact_channels) @ self.exact_t if split else None  # [B, V]
+        hidden_terms = torch.stack([scale, error, part.norm(dim=1)], dim=1)  # [B, 3]
+        return screened_greedy_tokens_int8(dots, exact, hidden, hidden_terms, self.weight, self.terms)
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -35,17 +35,22 @@ def screened_greedy_tokens(
 
 def screened_greedy_tokens_int8(
     dots: torch.Tensor,
+    exact: torch.Tensor | None,
     hidden: torch.Tensor,
     hidden_terms: torch.Tensor,
     weight: torch.Tensor,
     weight_terms: torch.Tensor,
-) -> torch.Tensor | None:
-    """The argmax of each row of the fp32 logits hidden @ weight.T, from dots, the int8 products of the quantized
-    hidden rows and head rows (hidden = s_h q_h + e_h, weight[v] = s_v q_v + e_v): only tokens whose fp32 logit can
-    still be the row's maximum, given the quantization errors' bound, are computed in fp32.
-    dots [B, V] int32 (q_h . q_v) · hidden [B, H] fp32 · hidden_terms [B, 2]: (s_h, |e_h|) · weight [V, H] fp32
-    (contiguous) · weight_terms [4, V]: (s_v, |e_v|, |s_v q_v|, |weight[v]|).
-    Returns [B] int64: a token, -1 where the logits are not finite, UNDECIDED where the screen is not; None without
-    the C++ kernels."""
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The argmax of each row of the fp32 logits hidden @ weight.T, screened by int8: the hidden channels split into
+    a few taken exactly (their part of the logits, `exact`) and the rest quantized, hidden = s_h q_h + e_h and
+    weight[v] = s_v q_v + e_v there, `dots` = q_h . q_v; only tokens whose fp32 logit can still be the row's maximum,
+    given the quantization errors' bound, are computed in fp32.
+    dots [B, V] int32 · exact [B, V] fp32 or None · hidden [B, H] fp32 (all channels) · hidden_terms [B, 3]:
+    (s_h, |e_h|, |h| on the quantized channels) · weight [V, H] fp32 (contiguous) · weight_terms [4, V]: (s_v, |e_v|,
+    |s_v q_v|, |weight[v]|).
+    Returns ([B] int64 tokens: -1 where the logits are not finite, UNDECIDED where the screen is not; [B] int64: how
+    many tokens of each row were computed in fp32); None without the C++ kernels."""
     native = cpu_native.load()
-    return None if native is None else native.screened_greedy_int8_cpu(dots, hidden, hidden_terms, weight, weight_terms)
+    if native is None:
+        return None
+    return native.screened_greedy_int8_cpu(dots, exact, hidden, hidden_terms, weight, weight_terms)

@@ -12,29 +12,39 @@
 // 2^-7 sum_j |h_j w_ij| (both factors rounded) + K 2^-24 sum_j |h_j w_ij| (the sum) + 2^-8 |a_i| (the bf16 output),
 // and sum_j |h_j w_ij| <= |h| |w_i|. Taking twice that, bound_i = 2^-6 |h| |w_i| + 2^-7 |a_i|.
 //
-// int8: h = s_h q_h + e_h (one scale a row, q_h in [-127, 127]) and w_i = s_i q_i + e_i (one scale a vocabulary row),
-// a_i = s_h s_i (q_h . q_i), the integer dot product exact in int32. Then h . w_i - a_i = h . e_i + e_h . (s_i q_i),
-// so by Cauchy-Schwarz |h . w_i - a_i| <= |h| |e_i| + |e_h| |s_i q_i|, the norms of the rounding errors known
-// exactly (e_i's when the head is quantized, e_h's with h). The fp32 dot differs from the real one by at most
-// K 2^-24 |h| |w_i|, and a_i's own float products by 3 2^-24 |a_i|: bound_i = 1.0625 (|h| |e_i| + |e_h| |s_i q_i|)
-// + K 2^-24 |h| |w_i| + 2^-20 |a_i|, the slack covering the float arithmetic of the bound and the screen.
+// int8: the hidden state's channels split in two, a few (its outliers) taken exactly, x_i their fp32 part of the logit
+// (a GEMM by the caller), the rest quantized: there h = s_h q_h + e_h (one scale a row, q_h in [-127, 127]) and
+// w_i = s_i q_i + e_i (one scale a vocabulary row), their product s_h s_i (q_h . q_i) with the integer dot product
+// exact in int32, and a_i = s_h s_i (q_h . q_i) + x_i. On the quantized channels h . w_i - s_h s_i (q_h . q_i) =
+// h . e_i + e_h . (s_i q_i), so by Cauchy-Schwarz that error is at most |h| |e_i| + |e_h| |s_i q_i| (h and w_i
+// restricted to those channels), the norms of the rounding errors known exactly (e_i's when the head is quantized,
+// e_h's with h). The fp32 dot and x_i differ from the real ones by at most K 2^-24 |h| |w_i| each, and a_i's own
+// float arithmetic by 4 2^-24 |a_i|: bound_i = 1.0625 (|h| |e_i| + |e_h| |s_i q_i|) + 2K 2^-24 |h| |w_i| (full rows)
+// + 2^-20 |a_i|, the slack covering the float arithmetic of the bound and the screen.
 //
 //   screened_greedy_cpu(approx [B, V] bfloat16, hidden [B, H] float32, weight [V, H] float32, row_norms [V] float32)
-//   screened_greedy_int8_cpu(dots [B, V] int32, hidden [B, H] float32, hidden_terms [B, 2] float32 (s_h, |e_h|),
-//                            weight [V, H] float32, weight_terms [4, V] float32 (s_i, |e_i|, |s_i q_i|, |w_i|))
-//       -> [B] int64: the token of each row; -1 where a candidate's fp32 logit is NaN or infinite (the row's
-//          logits are not finite); -2 where the screen cannot tell (an approximate logit is NaN or infinite): the
-//          caller then computes the full logits.
+//       -> [B] int64
+//   screened_greedy_int8_cpu(dots [B, V] int32, exact [B, V] float32 or None (x), hidden [B, H] float32,
+//                            hidden_terms [B, 3] float32 (s_h, |e_h|, |h| of the quantized channels),
+//                            weight [V, H] float32, weight_terms [4, V] float32 (s_i, |e_i|, |s_i q_i| on the quantized
+//                            channels, |w_i|))
+//       -> ([B] int64, [B] int64: each row's number of candidates computed in fp32)
+//   The tokens: each row's; -1 where a candidate's fp32 logit is NaN or infinite (the row's logits are not finite);
+//   -2 where the screen cannot tell (an approximate logit is NaN or infinite): the caller then computes the full
+//   logits.
 
 #include "cpu_vec.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <tuple>
 
 namespace {
 
@@ -75,18 +85,23 @@ struct Bf16Screen {
 
 struct Int8Screen {
   const int32_t* dots;
+  const float* exact;  // x_i: the logit's part from the channels taken exactly; nullptr: none
   const float* w_scale;  // s_i
   const float* w_error;  // |e_i|
-  const float* w_quantized;  // |s_i q_i|
+  const float* w_quantized;  // |s_i q_i| on the quantized channels
   const float* w_norm;  // |w_i|
-  float h_scale, c_error, c_quantized, c_norm;  // s_h, 1.0625 |h|, 1.0625 |e_h|, K 2^-24 |h|
+  float h_scale, c_error, c_quantized, c_norm;  // s_h, 1.0625 |h_q|, 1.0625 |e_h|, 2K 2^-24 |h|
 
   Vec value(int64_t i) const {
     float lane[Vec::size()];
     for (int64_t l = 0; l < Vec::size(); ++l) lane[l] = static_cast<float>(dots[i + l]);
-    return Vec::loadu(lane) * Vec(h_scale) * Vec::loadu(w_scale + i);
+    const Vec a = Vec::loadu(lane) * Vec(h_scale) * Vec::loadu(w_scale + i);
+    return exact == nullptr ? a : a + Vec::loadu(exact + i);
   }
-  float value1(int64_t i) const { return static_cast<float>(dots[i]) * h_scale * w_scale[i]; }
+  float value1(int64_t i) const {
+    const float a = static_cast<float>(dots[i]) * h_scale * w_scale[i];
+    return exact == nullptr ? a : a + exact[i];
+  }
   Vec bound(int64_t i, const Vec& a) const {
     Vec b = at::vec::fmadd(Vec(c_error), Vec::loadu(w_error + i), Vec(kInt8OutputBound) * a.abs());
     b = at::vec::fmadd(Vec(c_quantized), Vec::loadu(w_quantized + i), b);
@@ -97,9 +112,11 @@ struct Int8Screen {
   }
 };
 
-// The first token of the row's largest fp32 logit among the screen's candidates (see the top of the file).
+// The first token of the row's largest fp32 logit among the screen's candidates (see the top of the file); adds the
+// number of candidates to *candidates.
 template <class Screen>
-int64_t screened_row(const Screen& screen, const float* h, const float* weight, int64_t vocab, int64_t hidden) {
+int64_t screened_row(const Screen& screen, const float* h, const float* weight, int64_t vocab, int64_t hidden,
+                     int64_t* candidates) {
   constexpr int64_t kLanes = Vec::size();
   const int64_t body = vocab / kLanes * kLanes;
   Vec lowest(-std::numeric_limits<float>::infinity()), poison(0.f);
@@ -121,6 +138,7 @@ int64_t screened_row(const Screen& screen, const float* h, const float* weight, 
   float best = -std::numeric_limits<float>::infinity();
   int64_t best_at = -1;
   auto consider = [&](int64_t i) {  // ascending i: the first of equal maxima stays
+    ++*candidates;
     const float exact = dot(h, weight + i * hidden, hidden);
     if (!std::isfinite(exact)) return false;
     if (exact > best) best = exact, best_at = i;
@@ -179,33 +197,44 @@ at::Tensor screened_greedy_cpu(const at::Tensor& approx, const at::Tensor& hidde
         continue;
       }
       const Bf16Screen screen{a + b * a_stride, norms, kProductBound * h_norm};
-      tokens[b] = screened_row(screen, row, w, vocab, dim);
+      int64_t candidates = 0;
+      tokens[b] = screened_row(screen, row, w, vocab, dim, &candidates);
     }
   });
   return out;
 }
 
-at::Tensor screened_greedy_int8_cpu(const at::Tensor& dots, const at::Tensor& hidden, const at::Tensor& hidden_terms,
-                                    const at::Tensor& weight, const at::Tensor& weight_terms) {
+std::tuple<at::Tensor, at::Tensor> screened_greedy_int8_cpu(const at::Tensor& dots,
+                                                             const std::optional<at::Tensor>& exact,
+                                                             const at::Tensor& hidden, const at::Tensor& hidden_terms,
+                                                             const at::Tensor& weight, const at::Tensor& weight_terms) {
   check_rows(dots, "dots", at::kInt);
   check_rows(hidden, "hidden");
   const int64_t num_rows = dots.size(0), vocab = dots.size(1), dim = hidden.size(1);
   TORCH_CHECK(hidden.size(0) == num_rows, "hidden has ", hidden.size(0), " rows, dots ", num_rows);
-  TORCH_CHECK(hidden_terms.dim() == 2 && hidden_terms.size(0) == num_rows && hidden_terms.size(1) == 2 &&
+  if (exact.has_value()) {
+    check_rows(*exact, "exact");
+    TORCH_CHECK(exact->size(0) == num_rows && exact->size(1) == vocab, "exact must be [", num_rows, ", ", vocab, "]");
+  }
+  TORCH_CHECK(hidden_terms.dim() == 2 && hidden_terms.size(0) == num_rows && hidden_terms.size(1) == 3 &&
                   hidden_terms.scalar_type() == at::kFloat && hidden_terms.is_contiguous(),
-              "hidden_terms: contiguous [", num_rows, ", 2] float32");
+              "hidden_terms: contiguous [", num_rows, ", 3] float32");
   check_weight(weight, vocab, dim);
   TORCH_CHECK(weight_terms.dim() == 2 && weight_terms.size(0) == 4 && weight_terms.size(1) == vocab &&
                   weight_terms.scalar_type() == at::kFloat && weight_terms.is_contiguous(),
               "weight_terms: contiguous [4, ", vocab, "] float32");
   auto out = at::empty({num_rows}, dots.options().dtype(at::kLong));
+  auto counts = at::zeros({num_rows}, dots.options().dtype(at::kLong));
   const int32_t* d = dots.data_ptr<int32_t>();
+  const float* x = exact.has_value() ? exact->data_ptr<float>() : nullptr;
   const float* h = hidden.data_ptr<float>();
   const float* h_terms = hidden_terms.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   const float* w_terms = weight_terms.data_ptr<float>();
   int64_t* tokens = out.data_ptr<int64_t>();
-  const int64_t d_stride = dots.stride(0), h_stride = hidden.stride(0);
+  int64_t* candidates = counts.data_ptr<int64_t>();
+  const int64_t d_stride = dots.stride(0), x_stride = exact.has_value() ? exact->stride(0) : 0;
+  const int64_t h_stride = hidden.stride(0);
   at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const float* row = h + b * h_stride;
@@ -214,26 +243,28 @@ at::Tensor screened_greedy_int8_cpu(const at::Tensor& dots, const at::Tensor& hi
         tokens[b] = -1;
         continue;
       }
+      const float* terms = h_terms + 3 * b;  // s_h, |e_h|, |h_q|
       const Int8Screen screen{d + b * d_stride,
+                              x == nullptr ? nullptr : x + b * x_stride,
                               w_terms,
                               w_terms + vocab,
                               w_terms + 2 * vocab,
                               w_terms + 3 * vocab,
-                              h_terms[2 * b],
-                              kInt8Slack * h_norm,
-                              kInt8Slack * h_terms[2 * b + 1],
-                              static_cast<float>(dim) * kUlp * h_norm};
-      tokens[b] = screened_row(screen, row, w, vocab, dim);
+                              terms[0],
+                              kInt8Slack * terms[2],
+                              kInt8Slack * terms[1],
+                              2.f * static_cast<float>(dim) * kUlp * h_norm};
+      tokens[b] = screened_row(screen, row, w, vocab, dim, candidates + b);
     }
   });
-  return out;
+  return std::make_tuple(out, counts);
 }
 
 TORCH_LIBRARY_FRAGMENT(loraplex, m) {
   m.def("screened_greedy_cpu(Tensor approx, Tensor hidden, Tensor weight, Tensor row_norms) -> Tensor");
   m.def(
-      "screened_greedy_int8_cpu(Tensor dots, Tensor hidden, Tensor hidden_terms, Tensor weight, Tensor weight_terms) "
-      "-> Tensor");
+      "screened_greedy_int8_cpu(Tensor dots, Tensor? exact, Tensor hidden, Tensor hidden_terms, Tensor weight, "
+      "Tensor weight_terms) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(loraplex, CPU, m) {
