@@ -38,7 +38,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -163,6 +162,22 @@ int64_t screened_row(const Screen& screen, const float* h, const float* weight, 
 // |h|, or NaN / infinity where h holds one (which then reaches every logit: the row has no token).
 float norm(const float* h, int64_t hidden) { return std::sqrt(dot(h, h, hidden)); }
 
+// Screens each row of hidden [num_rows, dim] (row stride h_stride): tokens[b] as screened_row gives it with the
+// screen make_screen(b, |h_b|) builds (-1 where h_b is not finite), candidates[b] (nullptr: not kept) its count.
+template <class MakeScreen>
+void screen_rows(int64_t num_rows, const float* h, int64_t h_stride, int64_t dim, const float* weight, int64_t vocab,
+                 const MakeScreen& make_screen, int64_t* tokens, int64_t* candidates) {
+  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* row = h + b * h_stride;
+      const float h_norm = norm(row, dim);
+      int64_t count = 0;
+      tokens[b] = std::isfinite(h_norm) ? screened_row(make_screen(b, h_norm), row, weight, vocab, dim, &count) : -1;
+      if (candidates != nullptr) candidates[b] = count;
+    }
+  });
+}
+
 void check_weight(const at::Tensor& weight, int64_t vocab, int64_t dim) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
               "weight: contiguous [V, H] float32");
@@ -187,20 +202,11 @@ at::Tensor screened_greedy_cpu(const at::Tensor& approx, const at::Tensor& hidde
   const float* w = weight.data_ptr<float>();
   const float* norms = row_norms.data_ptr<float>();
   int64_t* tokens = out.data_ptr<int64_t>();
-  const int64_t a_stride = approx.stride(0), h_stride = hidden.stride(0);
-  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const float* row = h + b * h_stride;
-      const float h_norm = norm(row, dim);
-      if (!std::isfinite(h_norm)) {
-        tokens[b] = -1;
-        continue;
-      }
-      const Bf16Screen screen{a + b * a_stride, norms, kProductBound * h_norm};
-      int64_t candidates = 0;
-      tokens[b] = screened_row(screen, row, w, vocab, dim, &candidates);
-    }
-  });
+  const int64_t a_stride = approx.stride(0);
+  auto make_screen = [&](int64_t b, float h_norm) {
+    return Bf16Screen{a + b * a_stride, norms, kProductBound * h_norm};
+  };
+  screen_rows(num_rows, h, hidden.stride(0), dim, w, vocab, make_screen, tokens, nullptr);
   return out;
 }
 
@@ -224,7 +230,7 @@ std::tuple<at::Tensor, at::Tensor> screened_greedy_int8_cpu(const at::Tensor& do
                   weight_terms.scalar_type() == at::kFloat && weight_terms.is_contiguous(),
               "weight_terms: contiguous [4, ", vocab, "] float32");
   auto out = at::empty({num_rows}, dots.options().dtype(at::kLong));
-  auto counts = at::zeros({num_rows}, dots.options().dtype(at::kLong));
+  auto counts = at::empty({num_rows}, dots.options().dtype(at::kLong));
   const int32_t* d = dots.data_ptr<int32_t>();
   const float* x = exact.has_value() ? exact->data_ptr<float>() : nullptr;
   const float* h = hidden.data_ptr<float>();
@@ -234,29 +240,20 @@ std::tuple<at::Tensor, at::Tensor> screened_greedy_int8_cpu(const at::Tensor& do
   int64_t* tokens = out.data_ptr<int64_t>();
   int64_t* candidates = counts.data_ptr<int64_t>();
   const int64_t d_stride = dots.stride(0), x_stride = exact.has_value() ? exact->stride(0) : 0;
-  const int64_t h_stride = hidden.stride(0);
-  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const float* row = h + b * h_stride;
-      const float h_norm = norm(row, dim);
-      if (!std::isfinite(h_norm)) {
-        tokens[b] = -1;
-        continue;
-      }
-      const float* terms = h_terms + 3 * b;  // s_h, |e_h|, |h_q|
-      const Int8Screen screen{d + b * d_stride,
-                              x == nullptr ? nullptr : x + b * x_stride,
-                              w_terms,
-                              w_terms + vocab,
-                              w_terms + 2 * vocab,
-                              w_terms + 3 * vocab,
-                              terms[0],
-                              kInt8Slack * terms[2],
-                              kInt8Slack * terms[1],
-                              2.f * static_cast<float>(dim) * kUlp * h_norm};
-      tokens[b] = screened_row(screen, row, w, vocab, dim, candidates + b);
-    }
-  });
+  auto make_screen = [&](int64_t b, float h_norm) {
+    const float* terms = h_terms + 3 * b;  // s_h, |e_h|, |h_q|
+    return Int8Screen{d + b * d_stride,
+                      x == nullptr ? nullptr : x + b * x_stride,
+                      w_terms,
+                      w_terms + vocab,
+                      w_terms + 2 * vocab,
+                      w_terms + 3 * vocab,
+                      terms[0],
+                      kInt8Slack * terms[2],
+                      kInt8Slack * terms[1],
+                      2.f * static_cast<float>(dim) * kUlp * h_norm};
+  };
+  screen_rows(num_rows, h, hidden.stride(0), dim, w, vocab, make_screen, tokens, candidates);
   return std::make_tuple(out, counts);
 }
 
