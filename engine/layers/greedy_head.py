@@ -25,6 +25,7 @@ INT8_MAX = 127  # symmetric int8: q in [-127, 127]
 CALIBRATION_ROWS = 8  # the int8 head's first call with this many rows picks its layout (fewer: the full head)
 EXACT_CHANNEL_SHARES = (0.0, 1 / 64, 1 / 32, 1 / 16)  # of the hidden size, taken exactly, tried at calibration
 CALIBRATION_VOCAB_STRIDE = 8  # calibration tries the layouts on every 8th head row
+QUANTIZE_ROWS = 4096  # head rows quantized at a time
 
 
 class ScreenedGreedyHead:
@@ -112,12 +113,19 @@ class Int8HeadLayout:
         kept[exact_channels] = False
         self.weight, self.exact_channels = weight, exact_channels
         self.quantized_channels = kept.nonzero().flatten()  # [H - m]
-        part = weight.index_select(1, self.quantized_channels) if exact_channels.numel() else weight  # [V, H - m]
-        scale, quantized, error = _quantize_rows(part)  # [V], [V, H - m], [V]
-        self.quantized_t = quantized.to(torch.int8).t()  # [H - m, V]: a [V, H - m] int8 tensor
+        vocab = weight.shape[0]
+        quantized = torch.empty(vocab, self.quantized_channels.numel(), dtype=torch.int8)  # [V, H - m]
+        self.terms = torch.empty(4, vocab)  # [4, V]: s_v, |e_v|, |s_v q_v|, |w_v|
+        for start in range(0, vocab, QUANTIZE_ROWS):  # in blocks: a large head's fp32 temporaries stay small
+            rows = slice(start, start + QUANTIZE_ROWS)
+            block = weight[rows]  # [R, H]
+            part = block.index_select(1, self.quantized_channels) if exact_channels.numel() else block  # [R, H - m]
+            scale, block_quantized, error = _quantize_rows(part)  # [R], [R, H - m], [R]
+            quantized[rows] = block_quantized.to(torch.int8)
+            dequantized_norm = (block_quantized * scale[:, None]).norm(dim=1)  # [R]
+            self.terms[:, rows] = torch.stack([scale, error, dequantized_norm, block.norm(dim=1)])
+        self.quantized_t = quantized.t()  # [H - m, V]: a [V, H - m] int8 tensor
         self.exact_t = weight.index_select(1, exact_channels).t().contiguous()  # [m, V]
-        dequantized_norm = (quantized * scale[:, None]).norm(dim=1)  # [V]
-        self.terms = torch.stack([scale, error, dequantized_norm, weight.norm(dim=1)]).contiguous()  # [4, V]
 
     def screen(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """hidden [B, H] fp32 -> ([B] tokens, [B] candidates a row) from kernels/sampling's int8 screen."""
