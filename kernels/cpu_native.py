@@ -6,7 +6,9 @@ extension built once per machine on first use, its ops under torch.ops.loraplex.
 torch.utils.cpp_extension compiles it with the machine's C++ compiler (-O3 -march=native) into torch's extension
 cache (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR); later processes load the cached build. Where it cannot
 be built (no compiler or ninja), `load()` returns None once, with a log line, and callers keep the torch path.
-LORAPLEX_CPU_KERNELS=0 turns them off.
+LORAPLEX_CPU_KERNELS=0 turns them off. A process killed while building leaves torch's build lock behind, and every
+later build would wait on it forever: a lock older than STALE_BUILD_LOCK_S (a build takes under a minute) is removed,
+with a warning.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ logger = logging.getLogger(__name__)
 SOURCES = sorted(Path(__file__).parent.glob("*/csrc/*.cpp"))
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
+EXTENSION_NAME = "loraplex_cpu_kernels"
+STALE_BUILD_LOCK_S = 600.0
 
 
 def load() -> Any:
@@ -40,10 +44,12 @@ def _build() -> Any:
     start = time.perf_counter()
     try:
         import torch
+        from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as load_extension
 
+        remove_stale_build_lock(Path(_get_build_directory(EXTENSION_NAME, verbose=False)))
         load_extension(
-            name="loraplex_cpu_kernels",
+            name=EXTENSION_NAME,
             sources=[str(source) for source in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_include_paths=[str(Path(__file__).parent / "csrc")],  # cpu_vec.h, shared by the kernels
@@ -59,3 +65,18 @@ def _build() -> Any:
     if elapsed > 2:
         logger.info("built the C++ CPU kernels in %.0f s (cached for later runs)", elapsed)
     return module
+
+
+def remove_stale_build_lock(build_dir: Path, max_age_s: float = STALE_BUILD_LOCK_S) -> bool:
+    """Removes torch's build lock in build_dir when it is older than max_age_s: its builder died (a build takes
+    under a minute), and torch would wait on it forever. Returns whether it removed one."""
+    lock = build_dir / "lock"
+    try:
+        age_s = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age_s < max_age_s:
+        return False
+    lock.unlink(missing_ok=True)
+    logger.warning("removed a stale build lock %s (%.0f s old: its build was killed) before building", lock, age_s)
+    return True
