@@ -130,6 +130,7 @@ def test_split_k_shrink_and_grouped_expand_match_eager_steps_and_peft(setup, mon
 
     model_dir, peft_model, loras = setup
     _, expected = generate(engine(model_dir, "cpu"), loras)
+    monkeypatch.setattr(triton_ops, "FUSE_MAX_REPEATED_K", 0)  # the tiny model's layers would take one launch
     monkeypatch.setattr(triton_ops, "SHRINK_BLOCK_K", 32)  # 16 fp32 columns a step: 4 steps of the model's H_in 64
     monkeypatch.setattr(triton_ops, "multiprocessors", lambda device: 64)
     monkeypatch.setattr(triton_ops, "expand_group_tiles", lambda programs, device: 2)
@@ -140,6 +141,31 @@ def test_split_k_shrink_and_grouped_expand_match_eager_steps_and_peft(setup, mon
     runner.decode_graphs = runner.make_decode_graphs(llm.engine.max_model_len, capture=False)
     batch, ours = generate(llm, loras)
     assert 3 in parts  # some shrinks wrote partial sums
+    assert_same_outputs(ours, expected)
+    for prompt, name, out in zip(batch, NAMES, ours):
+        assert out.outputs[0].token_ids == peft_greedy(peft_model, prompt, name, 8), f"adapter {name}"
+
+
+def test_fused_lora_steps_match_two_kernel_steps_and_peft(setup, monkeypatch):
+    """The tiny model's LoRA layers in one launch each (its H_in of 64 fuses by default), through the padded
+    buffers and eager prefill steps: the shrink-then-expand engine's tokens and logprobs, and peft's greedy tokens."""
+    import kernels.lora.triton_ops as triton_ops
+
+    model_dir, peft_model, loras = setup
+    monkeypatch.setattr(triton_ops, "FUSE_MAX_REPEATED_K", 0)
+    two_kernels = engine(model_dir, "cpu")
+    two_kernels.engine.runner.decode_graphs = two_kernels.engine.runner.make_decode_graphs(
+        two_kernels.engine.max_model_len, capture=False
+    )
+    _, expected = generate(two_kernels, loras)
+    monkeypatch.undo()
+    fused, lora_fused = [], triton_ops.lora_fused
+    monkeypatch.setattr(triton_ops, "lora_fused", lambda *args: fused.append(args[1].shape[0]) or lora_fused(*args))
+    llm = engine(model_dir, "cpu")
+    runner = llm.engine.runner
+    runner.decode_graphs = runner.make_decode_graphs(llm.engine.max_model_len, capture=False)
+    batch, ours = generate(llm, loras)
+    assert 6 in fused and max(fused) > 6  # padded decode steps and prefill steps went through the fused kernel
     assert_same_outputs(ours, expected)
     for prompt, name, out in zip(batch, NAMES, ours):
         assert out.outputs[0].token_ids == peft_greedy(peft_model, prompt, name, 8), f"adapter {name}"

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from bench.gpu import graph_meta
 from kernels.lora import LoraMeta, add_lora, get_lora_ops
 from kernels.lora import torch_ops as torch_module
 from kernels.lora.host_pack import TORCH_DTYPES, HostPack
@@ -458,6 +459,62 @@ def test_triton_split_k_partials_add_up_in_the_expand(parts, popularity):
     assert_rows(y, case.expected_y, case.has_adapter)
     with pytest.raises(ValueError, match="fp32"):
         triton_module.lora_shrink(partials.half(), case.x, case.lora_a, case.meta)
+
+
+FUSED_CASES = [  # (T, N, R, popularity, layer): odd ranks and widths, several column tiles, -1 rows
+    (1, 1, 4, "identical", "dense"),
+    (7, 3, 8, "skewed", "qkv"),
+    (40, 3, 16, "segments", "wide_out"),
+    (64, 8, 64, "uniform", "gate_up"),
+    (64, 8, 5, "distinct", "wide_in"),
+]
+
+
+@pytest.mark.parametrize(("num_tokens", "num_adapters", "rank", "popularity", "layer"), FUSED_CASES)
+def test_triton_fused_add_lora_matches_naive_reference(num_tokens, num_adapters, rank, popularity, layer):
+    """Shrink and expand in one launch: each (tile, slice, column tile) program's own z, rows without an adapter
+    (NaN x) untouched; through a CUDA graph's meta too (one segment per row, unused tiles exiting)."""
+    import kernels.lora.triton_ops as triton_module
+
+    case = make_case(num_tokens, num_adapters, rank, popularity, layer, device=TRITON_DEVICE)
+    y = case.y.clone()
+    triton_module.lora_fused(y, case.x, case.lora_a, case.lora_b, case.meta, case.output_slices)
+    assert_rows(y, case.expected_y, case.has_adapter)
+    rows = torch.tensor(case.token_adapter_idx)
+    with_adapter = rows >= 0
+    graph = graph_meta(rows[with_adapter], num_adapters, TRITON_DEVICE)  # as DecodeGraphs fills it
+    y = case.y[with_adapter.to(TRITON_DEVICE)].clone()
+    triton_module.lora_fused(y, case.x[with_adapter.to(TRITON_DEVICE)], case.lora_a, case.lora_b, graph,
+                             case.output_slices)  # fmt: skip
+    expected = case.expected_y[with_adapter.to(TRITON_DEVICE)]
+    torch.testing.assert_close(y, expected.to(y.dtype), rtol=1e-5, atol=1e-5)
+
+
+def test_triton_add_lora_fuses_only_small_layers_and_without_a_buffer(monkeypatch):
+    """One launch where the repeated shrink is small (the 56M Llama's layers), two kernels for a 1B-class layer, a
+    rank past one step, a given buffer, or FUSE_MAX_REPEATED_K 0: each way the naive result."""
+    import kernels.lora.triton_ops as triton_module
+
+    assert triton_module.fused_pays(512, 8, (512, 256, 256)) and triton_module.fused_pays(1408, 8, (512,))
+    assert triton_module.fused_pays(512, 64, (1408, 1408))
+    assert not triton_module.fused_pays(2048, 16, (2048, 512, 512)) and not triton_module.fused_pays(8192, 16, (2048,))
+    assert not triton_module.fused_pays(512, 128, (512,))
+    launches = []
+    for name in ("_fused", "_shrink", "_expand"):
+        launch = getattr(triton_module, name)
+        monkeypatch.setattr(triton_module, name, lambda *args, _l=launch, _n=name: launches.append(_n) or _l(*args))
+    case = make_case(64, 3, 8, "uniform", "qkv", device=TRITON_DEVICE)
+    for buffer, fuse_max, expected in [(None, 8192, ["_fused"]), (case.out.clone(), 8192, ["_shrink", "_expand"]),
+                                       (None, 0, ["_shrink", "_expand"])]:  # fmt: skip
+        monkeypatch.setattr(triton_module, "FUSE_MAX_REPEATED_K", fuse_max)
+        launches.clear()
+        y = case.y.clone()
+        triton_module.add_lora(y, case.x, case.lora_a, case.lora_b, case.meta, case.output_slices, buffer=buffer)
+        assert launches == expected
+        assert_rows(y, case.expected_y, case.has_adapter)
+    with pytest.raises(ValueError, match="rank of at most 64"):
+        big = make_case(4, 1, 128, "identical", "dense", device=TRITON_DEVICE)
+        triton_module.lora_fused(big.y, big.x, big.lora_a, big.lora_b, big.meta, big.output_slices)
 
 
 @pytest.mark.parametrize("group_tiles", [1, 2, 3, 8])

@@ -8,7 +8,10 @@ step's LoraMeta comes with each call. A step without adapters (lora None) costs 
 While a CUDA graph is being recorded (DecodeGraphs), the shrink goes on a side stream, beside the base GEMM: both
 only read x, so the graph runs them as parallel branches and the expand waits for both. A decode step's shrink is a
 few microseconds of latency on few multiprocessors, which the GEMM beside it hides. Eagerly, the two streams'
-events would cost the host more than they save, so a plain call runs them one after the other.
+events would cost the host more than they save, so a plain call runs them one after the other (or, for a small layer
+on the Triton backend, in one launch: `fused_pays`). A graph keeps the two kernels: H200, W1's decode steps took
+0.141 s a run with the shrink beside the GEMM and 0.147 with one fused kernel after it (6.7 µs a call against 3.2 for
+the shrink and 3.1 for the expand), while its eager prefill step's LoRA cost 0.0037 s fused and 0.0062 in two.
 """
 
 from __future__ import annotations

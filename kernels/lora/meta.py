@@ -245,7 +245,12 @@ def _padded_layout(
 
 def check_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta) -> None:
     """Shapes of a lora_shrink call, against each other and the meta (host-side only)."""
-    num_tokens, width = out.shape
+    check_shrink_shape(out.shape, x, lora_a, meta)
+
+
+def check_shrink_shape(out_shape: tuple[int, int], x: Tensor, lora_a: Tensor, meta: LoraMeta) -> None:
+    """check_shrink for a z of out_shape [T, S * R], which a fused kernel keeps in registers."""
+    num_tokens, width = out_shape
     if x.shape[0] != num_tokens or num_tokens != meta.num_tokens:
         raise ValueError(f"out has {num_tokens} rows, x {x.shape[0]}, the meta {meta.num_tokens} tokens")
     if lora_a.shape[1:] != (width, x.shape[1]):
@@ -255,13 +260,20 @@ def check_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta) -> None
 
 def check_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_slices: tuple[int, ...]) -> None:
     """Shapes of a lora_expand call, against each other and the meta (host-side only)."""
+    check_expand_shape(y, z.shape, lora_b, meta, output_slices)
+
+
+def check_expand_shape(
+    y: Tensor, z_shape: tuple[int, int], lora_b: Tensor, meta: LoraMeta, output_slices: tuple[int, ...]
+) -> None:
+    """check_expand for a z of z_shape [T, S * R], which a fused kernel keeps in registers."""
     num_tokens, hidden_out = y.shape
-    if z.shape[0] != num_tokens or num_tokens != meta.num_tokens:
-        raise ValueError(f"y has {num_tokens} rows, z {z.shape[0]}, the meta {meta.num_tokens} tokens")
+    if z_shape[0] != num_tokens or num_tokens != meta.num_tokens:
+        raise ValueError(f"y has {num_tokens} rows, z {z_shape[0]}, the meta {meta.num_tokens} tokens")
     if sum(output_slices) != hidden_out or lora_b.shape[1] != hidden_out:
         raise ValueError(f"output_slices {output_slices}, y {tuple(y.shape)} and lora_b {tuple(lora_b.shape)} differ")
-    if z.shape[1] != len(output_slices) * lora_b.shape[2]:
-        raise ValueError(f"z has {z.shape[1]} columns for {len(output_slices)} slices of rank {lora_b.shape[2]}")
+    if z_shape[1] != len(output_slices) * lora_b.shape[2]:
+        raise ValueError(f"z has {z_shape[1]} columns for {len(output_slices)} slices of rank {lora_b.shape[2]}")
     _check_rows(lora_b, meta)
 
 

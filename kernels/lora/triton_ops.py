@@ -12,6 +12,11 @@ Split-K: a decode step's shrink has a few tiles of tokens, so one program per (t
 multiprocessors idle while each walks all of H_in. `shrink_out` then gives the shrink a [P, T, S * R] fp32 buffer: a
 third grid axis cuts H_in into P parts, each program writes its part's partial sums, and the expand adds the P
 partials as it loads z (no atomics, no zeroing, the same rounding to the weights' dtype before its dot).
+One launch: where a layer's shrink is small beside its output (`fused_pays`: few column tiles times H_in, a rank of
+at most 64), `add_lora` runs both in one kernel (`lora_fused`): each (token tile, slice, column tile) program computes
+its tokens' z for its slice, a [BLOCK_M, R] fp32 tile kept in registers, then adds z @ B.T to its columns of y. The
+shrink is repeated once per column tile, which costs little where H_in and the tiles are few, and a decode step of a
+small model is bound by its kernels' count and latency, not by their bytes.
 Ranks and hidden sizes need not be powers of two: every load is masked and the rank is padded to 16 in
 registers (tl.dot needs every dimension >= 16). Launched through FastLaunch (kernels/triton_launch.py: the compiled
 kernel's own launcher, not the JIT's per-call binding). Imported only when the "triton" backend is chosen.
@@ -26,7 +31,7 @@ from torch import Tensor
 
 from ..triton_launch import FastLaunch, multiprocessors
 from .compose import compose_add_lora
-from .meta import LoraMeta, check_expand, check_shrink
+from .meta import LoraMeta, check_expand, check_expand_shape, check_shrink, check_shrink_shape
 
 MIN_DOT = 16  # tl.dot needs every dimension >= 16 (meta.tile_tokens is, too)
 # Tile sizes and launch options chosen by `loraplex bench gpu --sweep` on an H100 (bf16, decode shapes of 64-256
@@ -55,6 +60,12 @@ SLICE_ALIGN = 16
 # 8 tiles a program, 51.3-51.5 at up to 2 and 48.5 at 1 (4,608 calls, two runs each). `bench gpu` still times groups.
 EXPAND_PROGRAMS_PER_SM = 4
 MAX_EXPAND_GROUP_TILES = 1
+# One launch (lora_fused) where the shrink it repeats for every column tile of a slice is at most this much H_in in
+# all (column tiles x H_in): the 56M Llama's layers (H_in 512-1408, 1-11 tiles a slice) fuse, a 1B-class model's
+# (H_in 2048-8192, 16-64 tiles) do not. 0: never. The fused kernel's rank is one step of at most MAX_FUSED_RANK.
+FUSE_MAX_REPEATED_K = 8192
+MAX_FUSED_RANK = 64
+FUSED_BLOCK_K = 128  # H_in per step for 16-bit inputs (half as many for fp32), beside the y tile it holds
 
 
 def lora_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta) -> None:
@@ -124,6 +135,57 @@ def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_sli
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         meta.tile_tokens, EXPAND_BLOCK_N, block_k, parts.shape[0], rank <= block_k, _precision(lora_b), slice_align,
     )  # fmt: skip
+
+
+def fused_pays(hidden_in: int, rank: int, output_slices: tuple[int, ...]) -> bool:
+    """Whether add_lora takes a layer of these sizes in one launch (lora_fused) rather than a shrink and an expand:
+    a rank of one step, and a shrink small enough to repeat for each of a slice's column tiles."""
+    col_tiles = -(-max(output_slices) // EXPAND_BLOCK_N)
+    return rank <= MAX_FUSED_RANK and col_tiles * hidden_in <= FUSE_MAX_REPEATED_K
+
+
+def lora_fused(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoraMeta, output_slices) -> None:
+    """add_lora in one launch, without the z buffer: each program computes its tile's z for its slice (fp32, rounded
+    to the weights' dtype as the two-kernel path rounds it) and adds z @ lora_b-slice.T to its column tile of y.
+    y: [T, H_out] · x: [T, H_in] · lora_a: [N, S * R, H_in] · lora_b: [N, H_out, R]"""
+    if not meta.has_lora:
+        return
+    rank = lora_b.shape[2]
+    z_shape = (x.shape[0], lora_a.shape[1])  # [T, S * R]
+    check_shrink_shape(z_shape, x, lora_a, meta)
+    check_expand_shape(y, z_shape, lora_b, meta, output_slices)
+    _check_dtypes(x, lora_a)
+    _check_dtypes(x, lora_b)
+    if rank > MAX_FUSED_RANK:
+        raise ValueError(f"the fused LoRA kernel takes a rank of at most {MAX_FUSED_RANK}, got {rank}")
+    block_r = max(MIN_DOT, triton.next_power_of_2(rank))
+    col_tiles = -(-max(output_slices) // EXPAND_BLOCK_N)
+    slice_bounds, slice_align = _slice_layout(output_slices, y.device, SLICE_ALIGN)
+    _fused(
+        (meta.tile_seg.shape[0], len(output_slices) * col_tiles),
+        y, x, lora_a, lora_b, meta.sorted_token_idx, meta.seg_indptr, meta.seg_adapter_idx, meta.tile_seg,
+        meta.tile_start, slice_bounds, x.shape[1], rank, col_tiles,
+        y.stride(0), y.stride(1), x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
+        meta.tile_tokens, EXPAND_BLOCK_N, FUSED_BLOCK_K * 2 // x.element_size(), block_r, _precision(x), slice_align,
+    )  # fmt: skip
+
+
+def add_lora(
+    y: Tensor,
+    x: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    meta: LoraMeta,
+    output_slices: tuple[int, ...],
+    buffer: Tensor | None = None,
+) -> None:
+    """y[t] += (x[t] @ lora_a[i].T) @ lora_b[i].T per slice, i = token_adapter_idx[t]: in one launch where it pays
+    and no buffer is given (fused_pays), else lora_shrink into buffer (shrink_out when None), then lora_expand."""
+    if buffer is None and fused_pays(x.shape[1], lora_b.shape[2], output_slices):
+        lora_fused(y, x, lora_a, lora_b, meta, output_slices)
+    else:
+        _add_lora_in_two(y, x, lora_a, lora_b, meta, output_slices, buffer)
 
 
 def expand_group_tiles(programs: int, device: torch.device) -> int:
@@ -271,6 +333,49 @@ def _load_z(z_rows, ks, rank, row_valid, stride_zp, stride_zw, PARTS: tl.constex
     return z
 
 
+@triton.jit
+def _fused_kernel(
+    y_ptr, x_ptr, lora_a_ptr, lora_b_ptr, sorted_token_idx_ptr, seg_indptr_ptr, seg_adapter_idx_ptr, tile_seg_ptr,
+    tile_start_ptr, slice_bounds_ptr, hidden_in, rank, col_tiles,
+    stride_yt, stride_yh, stride_xt, stride_xh, stride_an, stride_aw, stride_ah, stride_bn, stride_bh, stride_br,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SLICE_ALIGN: tl.constexpr,
+):  # fmt: skip
+    """Program (token tile, slice * col_tiles + column tile): z = x[tokens] @ lora_a-slice.T over all of H_in
+    ([BLOCK_M, BLOCK_R] fp32, the rank padded), then y[tokens, cols] += z @ lora_b[cols].T for up to BLOCK_M tokens of
+    one segment and BLOCK_N columns of the slice."""
+    tile, slice_tile = tl.program_id(0), tl.program_id(1)
+    s, tile_n = slice_tile // col_tiles, slice_tile % col_tiles
+    seg = tl.load(tile_seg_ptr + tile)
+    col_start = tl.multiple_of(tl.load(slice_bounds_ptr + s), SLICE_ALIGN)
+    slice_width = tl.multiple_of(tl.load(slice_bounds_ptr + s + 1) - col_start, SLICE_ALIGN)
+    if (seg >= 0) & (tile_n * BLOCK_N < slice_width):
+        adapter, tokens, row_valid = _tile_tokens(
+            tile_start_ptr + tile, seg, sorted_token_idx_ptr, seg_indptr_ptr, seg_adapter_idx_ptr, BLOCK_M
+        )
+        in_slice = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_valid = in_slice < slice_width
+        mask = row_valid[:, None] & col_valid[None, :]
+        y_ptrs = y_ptr + tokens[:, None] * stride_yt + (col_start + in_slice)[None, :] * stride_yh
+        acc = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)  # y first: its load overlaps the shrink
+        ranks = tl.arange(0, BLOCK_R)
+        rank_valid = ranks < rank
+        a_rows = lora_a_ptr + adapter * stride_an + (s * rank + ranks)[:, None] * stride_aw  # [BLOCK_R, 1]
+        z = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for k_start in range(0, hidden_in, BLOCK_K):
+            ks = k_start + tl.arange(0, BLOCK_K)
+            k_valid = ks < hidden_in
+            x_offs = tokens[:, None] * stride_xt + ks[None, :] * stride_xh  # [BLOCK_M, BLOCK_K]
+            x = tl.load(x_ptr + x_offs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            a = tl.load(a_rows + ks[None, :] * stride_ah, mask=rank_valid[:, None] & k_valid[None, :], other=0.0)
+            z += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)
+        b_ptrs = lora_b_ptr + adapter * stride_bn + (col_start + in_slice)[:, None] * stride_bh  # [BLOCK_N, 1]
+        b = tl.load(b_ptrs + ranks[None, :] * stride_br, mask=col_valid[:, None] & rank_valid[None, :], other=0.0)
+        acc += tl.dot(z.to(b.dtype), tl.trans(b), input_precision=DOT_PRECISION)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 _shrink = FastLaunch(_shrink_kernel, **SHRINK_LAUNCH)
 _expand = FastLaunch(_expand_kernel, **EXPAND_LAUNCH)
-add_lora = compose_add_lora(lora_shrink, lora_expand, shrink_out)
+_fused = FastLaunch(_fused_kernel, **EXPAND_LAUNCH)
+_add_lora_in_two = compose_add_lora(lora_shrink, lora_expand, shrink_out)
