@@ -10,14 +10,16 @@ attention  the Triton paged decode attention on decode shapes (Llama-3-8B heads:
            and V once, q read, out written) over its median time, as a share of the copy's; the torch backend's
            time beside it, and the largest error against it.
 lora       shrink, expand and add_lora (Triton) on decode shapes (one token per seq, H 4096, qkv slices 4096 /
-           1024 / 1024): bandwidth over the adapters' A (shrink) or B (expand) rows in use plus activations.
+           1024 / 1024), a 1B-class prefill's and W1's decode layers: bandwidth over the adapters' A (shrink) or B
+           (expand) rows in use plus activations; add_lora in one launch (fused) against shrink + expand.
 engine     W1 of ../shared/peers (the random 56M Llama, 64 requests of 128 prompt ids, 64 greedy output tokens,
            K=8 rank-8 adapters on all seven modules) through the offline LLM on the device, base and LoRA engines
            side by side, their runs interleaved, and a bigger random Llama (1B-class layers, 8 of them) the same
            way: output tok/s and LoRA / base (the median of paired runs' ratios), and where a LoRA run's extra time
            goes (its prefill steps, its decode steps, outside them). Decode steps replay CUDA graphs, as the
-           engine's default is; --eager also runs both with enforce_eager; steps take the engine's default budget
-           (8192 tokens on CUDA) unless --max-num-batched-tokens says otherwise.
+           engine's default is; --eager also runs both with enforce_eager; --unfused also runs LoRA with no layer
+           in one launch (shrink, then expand: what fusing gains); --models w1 or 1b runs one model only; steps take
+           the engine's default budget (8192 tokens on CUDA) unless --max-num-batched-tokens says otherwise.
 
 --sweep also times the kernels under several launch settings (key tile, warps, pipeline stages, split-decode
 partition) and prints the best, to choose the modules' defaults. Kernel times are Triton's do_bench medians
@@ -85,12 +87,18 @@ LORA_SHAPES = [
     # a prefill step of the engine section's 1B-class model (2048 tokens, 16 adapters): gate_up, then down
     LoraShape(2048, 16, 16, 2048, (8192, 8192)),
     LoraShape(2048, 16, 16, 8192, (2048,)),
+    # a decode step of the engine section's W1 model (64 tokens over 8 adapters of rank 8): qkv, gate_up, down
+    LoraShape(64, 8, 8, 512, (512, 256, 256)),
+    LoraShape(64, 8, 8, 512, (1408, 1408)),
+    LoraShape(64, 8, 8, 1408, (512,)),
 ]
 SWEEP_LAUNCHES = ((4, 2), (4, 3), (8, 2), (8, 3))  # (num_warps, num_stages)
 SWEEP_REP = 60  # ms of timed runs per setting
 SPLIT_PARTS = (1, 2, 4, 8, 16)  # the shrink's parts of H_in timed for each LoRA shape
 EXPAND_GROUPS = (1, 2, 4, 8, 16)  # the expand's column tiles per program timed for each LoRA shape
-LORA_KERNELS = ("_shrink_kernel", "_expand_kernel")  # a profiled run's LoRA kernels, by their Triton names
+# a profiled run's LoRA kernels, by their Triton names
+LORA_KERNELS = ("_shrink_kernel", "_expand_kernel", "_fused_kernel")
+ENGINE_MODELS = ("w1", "1b")  # the engine section's models: W1's 56M Llama, the 1B-class one
 SMOKE_ATTENTION = [AttentionShape(3, 70, 4, 2, 16, 16)]
 SMOKE_LORA = [LoraShape(5, 2, 8, 64, (64, 32))]
 
@@ -288,7 +296,7 @@ def lora_bytes(shape: LoraShape, element_size: int) -> dict[str, int]:
     return {"shrink": shrink * element_size, "expand": expand * element_size}
 
 
-def lora_rows(device, dtype, shapes, copy_rate: float, sweep: bool) -> list[dict]:
+def lora_rows(device, dtype, shapes, copy_rate: float, sweep: bool, quick: bool = False) -> list[dict]:
     from kernels.lora import LoraMeta, torch_ops, triton_ops
 
     rows = []
@@ -322,9 +330,11 @@ def lora_rows(device, dtype, shapes, copy_rate: float, sweep: bool) -> list[dict
             row["expand_ms_unaligned"] = time_ms(partial(triton_ops.lora_expand, y, z, lora_b, meta, slices), device)
             unaligned_graph = partial(triton_ops.lora_expand, y, z_graph, lora_b, graph, slices)
             row["expand_ms_graph_unaligned"] = time_ms(unaligned_graph, device)
-        row["split_k"] = split_k_rows(x, lora_a, lora_b, y, {"plain": meta, "graph": graph}, slices, device)
-        row["expand_groups"] = expand_group_rows(y, z, lora_b, {"plain": meta, "graph": graph}, slices, device)
+        if not quick:  # the tables that chose the split of H_in and the expand's groups
+            row["split_k"] = split_k_rows(x, lora_a, lora_b, y, {"plain": meta, "graph": graph}, slices, device)
+            row["expand_groups"] = expand_group_rows(y, z, lora_b, {"plain": meta, "graph": graph}, slices, device)
         row["add_lora_ms"] = time_ms(partial(triton_ops.add_lora, y, x, lora_a, lora_b, meta, slices), device)
+        row.update(fused_rows(x, lora_a, lora_b, y, {"plain": meta, "graph": graph}, slices, device))
         row["torch_add_lora_ms"] = time_ms(partial(torch_ops.add_lora, y, x, lora_a, lora_b, meta, slices), device)
         for op in ("shrink", "expand"):
             row[f"{op}_bytes_per_s"] = nbytes[op] / (row[f"{op}_ms"] / 1e3)
@@ -340,7 +350,26 @@ def lora_rows(device, dtype, shapes, copy_rate: float, sweep: bool) -> list[dict
               f"{row['expand_ms_tile16'] * 1e3:.1f} us; graph meta: {row['shrink_ms_graph'] * 1e3:.1f}, "
               f"{row['expand_ms_graph'] * 1e3:.1f} us; expand with y unaligned {row['expand_ms_unaligned'] * 1e3:.1f}"
               f", graph meta {row['expand_ms_graph_unaligned'] * 1e3:.1f} us", flush=True)  # fmt: skip
+        print(f"    one launch (fused{'' if row['fused_pays'] else ', not the default here'}): "
+              f"{row['fused_ms_plain'] * 1e3:.1f} us against {row['two_launches_ms_plain'] * 1e3:.1f} for shrink + "
+              f"expand; graph meta {row['fused_ms_graph'] * 1e3:.1f} against "
+              f"{row['two_launches_ms_graph'] * 1e3:.1f}", flush=True)  # fmt: skip
     return rows
+
+
+def fused_rows(x, lora_a, lora_b, y, metas: dict, slices, device) -> dict:
+    """add_lora in one launch (lora_fused) and in two (shrink, then expand), ms, per meta; and whether the layer
+    fuses by default (fused_pays). Ranks past MAX_FUSED_RANK have no fused time."""
+    from kernels.lora import triton_ops
+
+    found = {"fused_pays": triton_ops.fused_pays(x.shape[1], lora_b.shape[2], slices)}
+    for name, meta in metas.items():
+        z = triton_ops.shrink_out(x, lora_a, meta)
+        two = partial(triton_ops._add_lora_in_two, y, x, lora_a, lora_b, meta, slices, z)
+        found[f"two_launches_ms_{name}"] = time_ms(two, device)
+        fused = partial(triton_ops.lora_fused, y, x, lora_a, lora_b, meta, slices)
+        found[f"fused_ms_{name}"] = time_ms(fused, device) if lora_b.shape[2] <= triton_ops.MAX_FUSED_RANK else None
+    return found
 
 
 def split_k_rows(x, lora_a, lora_b, y, metas: dict, slices, device) -> list[dict]:
@@ -417,10 +446,19 @@ def lora_sweep(x, lora_a, lora_b, y, z, meta, slices, nbytes, device) -> dict[st
 
 
 def engine_rows(
-    device, dtype_name: str, smoke: bool, profile: bool, out_dir: Path, eager: bool = False, step_tokens=None
+    device,
+    dtype_name: str,
+    smoke: bool,
+    profile: bool,
+    out_dir: Path,
+    eager: bool = False,
+    step_tokens=None,
+    unfused: bool = False,
+    keys: tuple[str, ...] = ENGINE_MODELS,
 ) -> list[dict]:
     """W1 and a bigger random Llama through the offline LLM on the device, base and LoRA (decode steps as CUDA
-    graphs; with `eager`, also both with enforce_eager). Each mode's engine is built up front and their runs
+    graphs; with `eager`, also both with enforce_eager; with `unfused`, also LoRA with no layer in one launch, built
+    and run under FUSE_MAX_REPEATED_K 0). Each mode's engine is built up front and their runs
     interleave (base, LoRA, base, LoRA...), so that a slow spell of a shared host falls on every mode alike; a
     ratio is the median of the runs' pairwise ratios."""
     import tempfile
@@ -430,18 +468,23 @@ def engine_rows(
 
     big = dict(MODEL_56M, hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8)
     models = [("W1 56M", MODEL_56M, 64, 128, 64, 8, 8), ("1B-class x8 layers", big, 256, 512, 128, 16, 16)]
+    models = [model for model, key in zip(models, ENGINE_MODELS) if key in keys]
     if smoke:
         tiny = dict(MODEL_56M, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
         models = [("smoke", dict(tiny, num_key_value_heads=2), 4, 16, 4, 2, 4)]
     modes = ("base", "lora", "base-eager", "lora-eager") if eager else ("base", "lora")
+    modes += ("lora-unfused",) if unfused else ()
     rows = []
     for name, config, num_prompts, input_len, output_len, num_adapters, rank in models:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir, adapters = write_model(Path(tmp), config, num_adapters, rank)
             row = {"model": name, "config": config, "num_prompts": num_prompts, "input_len": input_len,
                    "output_len": output_len, "adapters": num_adapters, "rank": rank, "dtype": dtype_name}  # fmt: skip
-            llms = {mode: make_llm(model_dir, len(adapters), device, dtype_name, mode, input_len + output_len,
-                                   num_prompts, rank, step_tokens) for mode in modes}  # fmt: skip
+            llms = {}
+            for mode in modes:
+                with mode_settings(mode):
+                    llms[mode] = make_llm(model_dir, len(adapters), device, dtype_name, mode, input_len + output_len,
+                                          num_prompts, rank, step_tokens)  # fmt: skip
             row["max_num_batched_tokens"] = llms[modes[0]].engine.config.max_num_batched_tokens
             print(f"engine {name}: steps of up to {row['max_num_batched_tokens']} tokens", flush=True)
             gen = torch.Generator().manual_seed(1)
@@ -454,7 +497,8 @@ def engine_rows(
                 prompts = torch.randint(10, config["vocab_size"], (num_prompts, input_len), generator=gen).tolist()
                 for mode, llm in llms.items():
                     steps = step_walls[mode] if run else None
-                    wall = timed_generate(llm, prompts, params, loras if "lora" in mode else None, device, steps)
+                    with mode_settings(mode):
+                        wall = timed_generate(llm, prompts, params, loras if "lora" in mode else None, device, steps)
                     if run:
                         walls[mode].append(wall)
             for mode in modes:
@@ -467,11 +511,19 @@ def engine_rows(
                 if profile:
                     lora = loras if "lora" in mode else None
                     profile_to = out_dir / f"profile-{len(rows)}-{mode}.txt"
-                    row[mode]["profile"] = profile_run(llms[mode], prompts, params, lora, device, profile_to)
+                    with mode_settings(mode):
+                        row[mode]["profile"] = profile_run(llms[mode], prompts, params, lora, device, profile_to)
             row["lora_over_base"] = paired_ratio(walls["lora"], walls["base"])
             row["lora_extra_s"] = extra = lora_extra_seconds(walls, step_walls)
             print(f"engine {name}: LoRA / base {row['lora_over_base']:.2f} (median of paired runs); LoRA's extra "
                   f"seconds a run: {', '.join(f'{k} {s:+.4f}' for k, s in extra.items())}", flush=True)  # fmt: skip
+            if unfused:
+                row["fused_over_unfused"] = paired_ratio(walls["lora"], walls["lora-unfused"])
+                print(
+                    f"engine {name}: LoRA with its small layers in one launch / in two: "
+                    f"{row['fused_over_unfused']:.3f} (median of paired runs)",
+                    flush=True,
+                )
             if eager:
                 row["eager_lora_over_base"] = paired_ratio(walls["lora-eager"], walls["base-eager"])
                 print(f"engine {name}: eager LoRA / base {row['eager_lora_over_base']:.2f}; graphs / eager: base "
@@ -482,6 +534,15 @@ def engine_rows(
                 torch.cuda.empty_cache()
             rows.append(row)
     return rows
+
+
+def mode_settings(mode: str) -> contextlib.AbstractContextManager:
+    """What a mode's engine is built and run under: "unfused" LoRA takes no layer in one launch."""
+    if "unfused" not in mode:
+        return contextlib.nullcontext()
+    from kernels.lora import triton_ops
+
+    return patched(triton_ops, FUSE_MAX_REPEATED_K=0)
 
 
 def paired_ratio(walls: list[float], other_walls: list[float]) -> float:
@@ -636,6 +697,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--max-num-batched-tokens", type=int, help="the engine section's step budget (default: the engine's)"
     )
+    parser.add_argument(
+        "--unfused", action="store_true", help="also run LoRA with no layer in one launch (shrink, then expand)"
+    )
+    parser.add_argument("--lora-quick", action="store_true", help="without the split-K and expand group tables")
+    parser.add_argument("--models", default=",".join(ENGINE_MODELS), help="the engine section's: w1, 1b or both")
     parser.add_argument("--json", type=Path, default=Path("bench-results/gpu.json"))
     args = parser.parse_args(argv)
     sections = args.sections.split(",")
@@ -668,9 +734,12 @@ def main(argv: list[str] | None = None) -> dict:
     section("attention", lambda: attention_rows(
         device, dtype, SMOKE_ATTENTION if smoke else ATTENTION_SHAPES, copy_rate, args.sweep, args.sweep_partitions
     ))  # fmt: skip
-    section("lora", lambda: lora_rows(device, dtype, SMOKE_LORA if smoke else LORA_SHAPES, copy_rate, args.sweep))
+    section("lora", lambda: lora_rows(
+        device, dtype, SMOKE_LORA if smoke else LORA_SHAPES, copy_rate, args.sweep, args.lora_quick
+    ))  # fmt: skip
     section("engine", lambda: engine_rows(
-        device, args.dtype, smoke, args.profile, args.json.parent, args.eager, args.max_num_batched_tokens
+        device, args.dtype, smoke, args.profile, args.json.parent, args.eager, args.max_num_batched_tokens,
+        args.unfused, tuple(args.models.split(",")),
     ))  # fmt: skip
     results["failures"] = failures
     args.json.write_text(json.dumps(results, indent=2, default=str))

@@ -30,6 +30,8 @@ def test_smoke_run_of_the_kernel_sections(tmp_path, monkeypatch):
     (lora,) = results["lora"]
     assert lora["rel_error_of_delta"] < 1e-5 and lora["shrink_ms"] > 0 and lora["expand_ms"] > 0
     assert lora["expand_ms_unaligned"] > 0 and lora["expand_ms_graph_unaligned"] > 0
+    assert lora["fused_pays"] and all(lora[f"{way}_ms_{meta}"] > 0 for way in ("fused", "two_launches")
+                                      for meta in ("plain", "graph"))  # fmt: skip
     assert [row["meta"] for row in lora["split_k"]] == ["plain", "graph"]
     assert all(row[f"{op}_{parts}"] > 0 for row in lora["split_k"] for op in ("shrink", "expand")
                for parts in gpu.SPLIT_PARTS)  # fmt: skip
@@ -53,9 +55,11 @@ def test_kernel_totals_sum_the_named_kernels_of_a_profile():
 
 def test_smoke_run_of_the_engine_section_pairs_interleaved_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    results = gpu.main(["--sections", "engine", "--dtype", "float32", "--json", str(tmp_path / "gpu.json")])
+    argv = ["--sections", "engine", "--dtype", "float32", "--unfused", "--json", str(tmp_path / "gpu.json")]
+    results = gpu.main(argv)
     assert results["failures"] == {}
     (row,) = results["engine"]
+    assert len(row["lora-unfused"]["walls_s"]) == 6 and row["fused_over_unfused"] > 0
     base, lora = row["base"]["walls_s"], row["lora"]["walls_s"]
     assert len(base) == len(lora) == 6
     assert row["lora_over_base"] == gpu.paired_ratio(lora, base) > 0
