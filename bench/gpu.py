@@ -455,6 +455,7 @@ def engine_rows(
     step_tokens=None,
     unfused: bool = False,
     keys: tuple[str, ...] = ENGINE_MODELS,
+    graph_variants: bool = False,
 ) -> list[dict]:
     """W1 and a bigger random Llama through the offline LLM on the device, base and LoRA (decode steps as CUDA
     graphs; with `eager`, also both with enforce_eager; with `unfused`, also LoRA with no layer in one launch, built
@@ -474,6 +475,7 @@ def engine_rows(
         models = [("smoke", dict(tiny, num_key_value_heads=2), 4, 16, 4, 2, 4)]
     modes = ("base", "lora", "base-eager", "lora-eager") if eager else ("base", "lora")
     modes += ("lora-unfused",) if unfused else ()
+    modes += ("lora-graph-serial", "lora-graph-plain") if graph_variants else ()
     rows = []
     for name, config, num_prompts, input_len, output_len, num_adapters, rank in models:
         with tempfile.TemporaryDirectory() as tmp:
@@ -524,6 +526,10 @@ def engine_rows(
                     f"{row['fused_over_unfused']:.3f} (median of paired runs)",
                     flush=True,
                 )
+            for mode in modes:
+                if "graph-" in mode:
+                    row[f"{mode}_over_lora"] = paired_ratio(walls[mode], walls["lora"])
+                    print(f"engine {name}: {mode} / lora (branched graphs): {row[f'{mode}_over_lora']:.3f}", flush=True)
             if eager:
                 row["eager_lora_over_base"] = paired_ratio(walls["lora-eager"], walls["base-eager"])
                 print(f"engine {name}: eager LoRA / base {row['eager_lora_over_base']:.2f}; graphs / eager: base "
@@ -537,12 +543,16 @@ def engine_rows(
 
 
 def mode_settings(mode: str) -> contextlib.AbstractContextManager:
-    """What a mode's engine is built and run under: "unfused" LoRA takes no layer in one launch."""
-    if "unfused" not in mode:
-        return contextlib.nullcontext()
+    """What a mode's engine is built and run under: "unfused" LoRA takes no layer in one launch; "graph-serial" and
+    "graph-plain" LoRA record its graphs' LoRA layers as lora_linear.GRAPH_LORA says."""
+    from engine.layers import lora_linear
     from kernels.lora import triton_ops
 
-    return patched(triton_ops, FUSE_MAX_REPEATED_K=0)
+    if "unfused" in mode:
+        return patched(triton_ops, FUSE_MAX_REPEATED_K=0)
+    if "graph-" in mode:
+        return patched(lora_linear, GRAPH_LORA=mode.rsplit("-", 1)[1])
+    return contextlib.nullcontext()
 
 
 def paired_ratio(walls: list[float], other_walls: list[float]) -> float:
@@ -701,6 +711,9 @@ def main(argv: list[str] | None = None) -> dict:
         "--unfused", action="store_true", help="also run LoRA with no layer in one launch (shrink, then expand)"
     )
     parser.add_argument("--lora-quick", action="store_true", help="without the split-K and expand group tables")
+    parser.add_argument(
+        "--graph-variants", action="store_true", help="also LoRA with its graphs' layers serial, and plain (fused)"
+    )
     parser.add_argument("--models", default=",".join(ENGINE_MODELS), help="the engine section's: w1, 1b or both")
     parser.add_argument("--json", type=Path, default=Path("bench-results/gpu.json"))
     args = parser.parse_args(argv)
@@ -739,7 +752,7 @@ def main(argv: list[str] | None = None) -> dict:
     ))  # fmt: skip
     section("engine", lambda: engine_rows(
         device, args.dtype, smoke, args.profile, args.json.parent, args.eager, args.max_num_batched_tokens,
-        args.unfused, tuple(args.models.split(",")),
+        args.unfused, tuple(args.models.split(",")), args.graph_variants,
     ))  # fmt: skip
     results["failures"] = failures
     args.json.write_text(json.dumps(results, indent=2, default=str))

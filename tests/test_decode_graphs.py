@@ -8,6 +8,7 @@ default, and the test marked gpu compares it with an `enforce_eager` engine and 
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -20,6 +21,10 @@ from engine.sampling_params import SamplingParams
 from tests.hf_models import make_adapter, make_model
 from tests.test_oracle import prompts
 
+# The CPU engine's Triton kernels run interpreted; where CUDA is (TRITON_INTERPRET unset) Triton compiles for it only
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="a CPU engine's Triton kernels need the interpreter"
+)
 # three adapters for two device rows: five seqs decode together (padded to the bucket of 6), then a2 loads into a row
 # they freed and decodes alone
 NAMES = [None, "a0", "a1", "a2", "a0", None]
@@ -102,6 +107,7 @@ def test_buckets_cover_every_batch_size_once(max_num_seqs, sizes):
     assert graph_batch_sizes(max_num_seqs) == sizes
 
 
+@interpreted
 def test_padded_decode_steps_match_eager_steps_and_peft(setup):
     """The padded buffers' steps (run eagerly on the CPU) give the eager engine's tokens and logprobs, and peft's
     greedy tokens per adapter, over a mixed batch whose third adapter loads into a row freed mid-run."""
@@ -122,6 +128,7 @@ def test_padded_decode_steps_match_eager_steps_and_peft(setup):
     assert bm.num_free_blocks == bm.num_blocks and llm.engine.adapter_cache.num_pinned == 0
 
 
+@interpreted
 def test_split_k_shrink_and_grouped_expand_match_eager_steps_and_peft(setup, monkeypatch):
     """The tiny model's LoRA layers with the shrink split into parts of H_in (16 columns a step, as if on a device of
     64 multiprocessors) and two column tiles per expand program, through the padded buffers and eager prefill
@@ -146,6 +153,7 @@ def test_split_k_shrink_and_grouped_expand_match_eager_steps_and_peft(setup, mon
         assert out.outputs[0].token_ids == peft_greedy(peft_model, prompt, name, 8), f"adapter {name}"
 
 
+@interpreted
 def test_fused_lora_steps_match_two_kernel_steps_and_peft(setup, monkeypatch):
     """The tiny model's LoRA layers in one launch each (its H_in of 64 fuses by default), through the padded
     buffers and eager prefill steps: the shrink-then-expand engine's tokens and logprobs, and peft's greedy tokens."""
@@ -171,6 +179,7 @@ def test_fused_lora_steps_match_two_kernel_steps_and_peft(setup, monkeypatch):
         assert out.outputs[0].token_ids == peft_greedy(peft_model, prompt, name, 8), f"adapter {name}"
 
 
+@interpreted
 def test_a_step_the_buffers_cannot_hold_runs_eagerly(setup):
     """Prefill steps, and batches past the largest bucket, take the eager path."""
     model_dir, _, loras = setup

@@ -23,6 +23,11 @@ from torch import nn
 
 from kernels.lora import LoraMeta, get_lora_ops
 
+# How a CUDA graph records a layer's LoRA: "branched" (the shrink on a side stream beside the base GEMM, then the
+# expand), "serial" (the GEMM, the shrink, the expand on one stream) or "plain" (as an eager call: one launch where
+# the backend fuses the layer). `bench gpu --graph-variants` times the three.
+GRAPH_LORA = "branched"
+
 
 class LoRALinear(nn.Module):
     def __init__(
@@ -41,11 +46,14 @@ class LoRALinear(nn.Module):
         self.ops = get_lora_ops(backend)
 
     def forward(self, x: torch.Tensor, lora: LoraMeta | None = None) -> torch.Tensor:
-        if lora is not None and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        capturing = lora is not None and x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing and GRAPH_LORA == "branched":
             return self._forward_branched(x, lora)
         y = self.base(x)  # [T, H_out]
         if lora is not None:
-            self.ops.add_lora(y, x, self.lora_a, self.lora_b, lora, self.output_slices)
+            # "serial" graphs: two kernels on one stream (a buffer given: never fused)
+            buffer = self.ops.shrink_out(x, self.lora_a, lora) if capturing and GRAPH_LORA == "serial" else None
+            self.ops.add_lora(y, x, self.lora_a, self.lora_b, lora, self.output_slices, buffer)
         return y
 
     def _forward_branched(self, x: torch.Tensor, lora: LoraMeta) -> torch.Tensor:

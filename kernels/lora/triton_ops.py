@@ -65,7 +65,9 @@ MAX_EXPAND_GROUP_TILES = 1
 # (H_in 2048-8192, 16-64 tiles) do not. 0: never. The fused kernel's rank is one step of at most MAX_FUSED_RANK.
 FUSE_MAX_REPEATED_K = 8192
 MAX_FUSED_RANK = 64
-FUSED_BLOCK_K = 128  # H_in per step for 16-bit inputs (half as many for fp32), beside the y tile it holds
+# x a fused program holds per step of H_in, for 16-bit inputs (half for fp32): 16 tokens x 512 (a decode graph's
+# tiles: W1's H_in in one step), 64 x 128 (a prompt's)
+FUSED_X_TILE = 8192
 
 
 def lora_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta) -> None:
@@ -159,6 +161,8 @@ def lora_fused(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoraM
     if rank > MAX_FUSED_RANK:
         raise ValueError(f"the fused LoRA kernel takes a rank of at most {MAX_FUSED_RANK}, got {rank}")
     block_r = max(MIN_DOT, triton.next_power_of_2(rank))
+    x_tile = FUSED_X_TILE * 2 // x.element_size() // meta.tile_tokens
+    block_k = max(MIN_DOT, min(triton.next_power_of_2(x.shape[1]), x_tile))
     col_tiles = -(-max(output_slices) // EXPAND_BLOCK_N)
     slice_bounds, slice_align = _slice_layout(output_slices, y.device, SLICE_ALIGN)
     _fused(
@@ -167,7 +171,7 @@ def lora_fused(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoraM
         meta.tile_start, slice_bounds, x.shape[1], rank, col_tiles,
         y.stride(0), y.stride(1), x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-        meta.tile_tokens, EXPAND_BLOCK_N, FUSED_BLOCK_K * 2 // x.element_size(), block_r, _precision(x), slice_align,
+        meta.tile_tokens, EXPAND_BLOCK_N, block_k, block_r, _precision(x), slice_align,
     )  # fmt: skip
 
 
