@@ -3,8 +3,12 @@ expand; fused/csrc: RMSNorm, SiLU * up and rotary embedding, each fused; samplin
 finiteness check; linear/csrc: the fp32 linear on AVX2 CPUs; decode_stack/csrc: a decode step's layers), one
 extension built once per machine on first use, its ops under torch.ops.loraplex.
 
-torch.utils.cpp_extension compiles it with the machine's C++ compiler (-O3 -march=native) into torch's extension
-cache (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR); later processes load the cached build. Where it cannot
+torch.utils.cpp_extension compiles it with the machine's C++ compiler (-O3 -march=native) into a build directory of
+its own under torch's extension cache (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), named by a key of the
+sources' directory, their contents, the flags and torch's version (`build_directory`); later processes load that
+build. One directory per checkout and version: two checkouts (a work tree and CI's clone) no longer rebuild each
+other's (torch's one directory per name rebuilt whenever the sources' paths changed), and directories unused for
+STALE_BUILD_DIRECTORY_S are removed. Where it cannot
 be built (no compiler or ninja), `load()` returns None once, with a log line, and callers keep the torch path.
 LORAPLEX_CPU_KERNELS=0 turns them off. A process killed while building leaves torch's build lock behind, and every
 later build would wait on it forever: a lock older than STALE_BUILD_LOCK_S (a build takes under a minute) is removed,
@@ -13,8 +17,10 @@ with a warning.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -26,6 +32,9 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {}
 EXTENSION_NAME = "loraplex_cpu_kernels"
 STALE_BUILD_LOCK_S = 600.0
+STALE_BUILD_DIRECTORY_S = 7 * 86400.0  # a build directory untouched this long (its checkout gone) is removed
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+KERNELS_DIR = Path(__file__).parent
 
 
 def load() -> Any:
@@ -44,15 +53,18 @@ def _build() -> Any:
     start = time.perf_counter()
     try:
         import torch
-        from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as load_extension
 
-        remove_stale_build_lock(Path(_get_build_directory(EXTENSION_NAME, verbose=False)))
+        build_dir = build_directory()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_build_lock(build_dir)
+        remove_stale_build_directories(build_dir)
         load_extension(
             name=EXTENSION_NAME,
             sources=[str(source) for source in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_include_paths=[str(Path(__file__).parent / "csrc")],  # cpu_vec.h, shared by the kernels
+            extra_cflags=CFLAGS,
+            extra_include_paths=[str(KERNELS_DIR / "csrc")],  # cpu_vec.h, shared by the kernels
+            build_directory=str(build_dir),
             extra_ldflags=["-fopenmp"],
             is_python_module=False,  # registers torch.ops.loraplex.* (no pybind11: a much shorter build)
             verbose=False,
@@ -65,6 +77,36 @@ def _build() -> Any:
     if elapsed > 2:
         logger.info("built the C++ CPU kernels in %.0f s (cached for later runs)", elapsed)
     return module
+
+
+def build_directory(kernels_dir: Path = KERNELS_DIR) -> Path:
+    """<torch's extension cache>/loraplex/<EXTENSION_NAME>-<key>: the key hashes kernels_dir's path, every C++ source
+    and header under it, the flags and torch's version, so that a build is never mixed with another checkout's."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    digest = hashlib.sha256(f"{kernels_dir.resolve()}\n{torch.__version__}\n{' '.join(CFLAGS)}\n".encode())
+    for path in sorted(kernels_dir.glob("**/csrc/*")):
+        digest.update(f"{path.relative_to(kernels_dir)}\n".encode())
+        digest.update(path.read_bytes())
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return root / "loraplex" / f"{EXTENSION_NAME}-{digest.hexdigest()[:16]}"
+
+
+def remove_stale_build_directories(build_dir: Path, max_age_s: float = STALE_BUILD_DIRECTORY_S) -> list[Path]:
+    """Removes build_dir's siblings (other checkouts' and versions' builds) whose newest file is older than
+    max_age_s. Returns those it removed."""
+    removed = []
+    for sibling in build_dir.parent.glob(f"{EXTENSION_NAME}-*"):
+        if sibling == build_dir or not sibling.is_dir():
+            continue
+        newest = max((p.stat().st_mtime for p in sibling.rglob("*")), default=sibling.stat().st_mtime)
+        if time.time() - newest > max_age_s:
+            shutil.rmtree(sibling, ignore_errors=True)
+            removed.append(sibling)
+    if removed:
+        logger.info("removed %d C++ kernel builds unused for %.0f days", len(removed), max_age_s / 86400)
+    return removed
 
 
 def remove_stale_build_lock(build_dir: Path, max_age_s: float = STALE_BUILD_LOCK_S) -> bool:
