@@ -167,8 +167,8 @@ def test_fused_lora_steps_match_two_kernel_steps_and_peft(setup, monkeypatch):
     )
     _, expected = generate(two_kernels, loras)
     monkeypatch.undo()
-    fused, lora_fused = [], triton_ops.lora_fused
-    monkeypatch.setattr(triton_ops, "lora_fused", lambda *args: fused.append(args[1].shape[0]) or lora_fused(*args))
+    fused, launch = [], triton_ops._fused  # the tokens of each fused launch (its y's rows)
+    monkeypatch.setattr(triton_ops, "_fused", lambda grid, y, *args: fused.append(y.shape[0]) or launch(grid, y, *args))
     llm = engine(model_dir, "cpu")
     runner = llm.engine.runner
     runner.decode_graphs = runner.make_decode_graphs(llm.engine.max_model_len, capture=False)

@@ -175,23 +175,6 @@ def lora_fused(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoraM
     )  # fmt: skip
 
 
-def add_lora(
-    y: Tensor,
-    x: Tensor,
-    lora_a: Tensor,
-    lora_b: Tensor,
-    meta: LoraMeta,
-    output_slices: tuple[int, ...],
-    buffer: Tensor | None = None,
-) -> None:
-    """y[t] += (x[t] @ lora_a[i].T) @ lora_b[i].T per slice, i = token_adapter_idx[t]: in one launch where it pays
-    and no buffer is given (fused_pays), else lora_shrink into buffer (shrink_out when None), then lora_expand."""
-    if buffer is None and fused_pays(x.shape[1], lora_b.shape[2], output_slices):
-        lora_fused(y, x, lora_a, lora_b, meta, output_slices)
-    else:
-        _add_lora_in_two(y, x, lora_a, lora_b, meta, output_slices, buffer)
-
-
 def expand_group_tiles(programs: int, device: torch.device) -> int:
     """Column tiles per expand program, given the programs one tile each would make: as many as leave about
     EXPAND_PROGRAMS_PER_SM programs per multiprocessor, up to MAX_EXPAND_GROUP_TILES (each program looks its tokens
@@ -382,4 +365,5 @@ def _fused_kernel(
 _shrink = FastLaunch(_shrink_kernel, **SHRINK_LAUNCH)
 _expand = FastLaunch(_expand_kernel, **EXPAND_LAUNCH)
 _fused = FastLaunch(_fused_kernel, **EXPAND_LAUNCH)
-_add_lora_in_two = compose_add_lora(lora_shrink, lora_expand, shrink_out)
+_add_lora_in_two = compose_add_lora(lora_shrink, lora_expand, shrink_out)  # shrink + expand, whatever the layer
+add_lora = compose_add_lora(lora_shrink, lora_expand, shrink_out, lora_fused, fused_pays)
