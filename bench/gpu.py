@@ -459,8 +459,9 @@ def engine_rows(
 ) -> list[dict]:
     """W1 and a bigger random Llama through the offline LLM on the device, base and LoRA (decode steps as CUDA
     graphs; with `eager`, also both with enforce_eager; with `unfused`, also LoRA with no layer in one launch, built
-    and run under FUSE_MAX_REPEATED_K 0). Each mode's engine is built up front and their runs
-    interleave (base, LoRA, base, LoRA...), so that a slow spell of a shared host falls on every mode alike; a
+    and run under FUSE_MAX_REPEATED_K 0; with `graph_variants`, also LoRA with its graphs recorded "serial" and
+    "plain", lora_linear.GRAPH_LORA). `keys`: which of ENGINE_MODELS. Each mode's engine is built up front and their
+    runs interleave (base, LoRA, base, LoRA...), so that a slow spell of a shared host falls on every mode alike; a
     ratio is the median of the runs' pairwise ratios."""
     import tempfile
 

@@ -1,18 +1,17 @@
-"""The C++ CPU kernels (paged_attention/csrc: the paged decode attention; lora/csrc: batched LoRA shrink and
-expand; fused/csrc: RMSNorm, SiLU * up and rotary embedding, each fused; sampling/csrc: greedy argmax with the
-finiteness check; linear/csrc: the fp32 linear on AVX2 CPUs; decode_stack/csrc: a decode step's layers), one
-extension built once per machine on first use, its ops under torch.ops.loraplex.
+"""The C++ CPU kernels (paged_attention/csrc: the paged decode attention; lora/csrc: batched LoRA shrink and expand;
+fused/csrc: RMSNorm, SiLU * up and rotary embedding, each fused; sampling/csrc: greedy argmax with the finiteness
+check; linear/csrc: the fp32 linear on AVX2 CPUs; decode_stack/csrc: a decode step's layers), one extension built
+once per checkout on first use, its ops under torch.ops.loraplex.
 
 torch.utils.cpp_extension compiles it with the machine's C++ compiler (-O3 -march=native) into a build directory of
 its own under torch's extension cache (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), named by a key of the
 sources' directory, their contents, the flags and torch's version (`build_directory`); later processes load that
-build. One directory per checkout and version: two checkouts (a work tree and CI's clone) no longer rebuild each
-other's (torch's one directory per name rebuilt whenever the sources' paths changed), and directories unused for
-STALE_BUILD_DIRECTORY_S are removed. Where it cannot
-be built (no compiler or ninja), `load()` returns None once, with a log line, and callers keep the torch path.
-LORAPLEX_CPU_KERNELS=0 turns them off. A process killed while building leaves torch's build lock behind, and every
-later build would wait on it forever: a lock older than STALE_BUILD_LOCK_S (a build takes under a minute) is removed,
-with a warning.
+build, and mark it used. One directory per checkout and version: two checkouts (a work tree and CI's clone) no
+longer rebuild each other's (torch's one directory per name was rebuilt whenever the sources' paths changed), and
+directories unused for STALE_BUILD_DIRECTORY_S are removed. Where it cannot be built (no compiler or ninja),
+`load()` returns None once, with a log line, and callers keep the torch path. LORAPLEX_CPU_KERNELS=0 turns them off.
+A process killed while building leaves torch's build lock behind, and every later build would wait on it forever: a
+lock older than STALE_BUILD_LOCK_S (a build takes under a minute) is removed, with a warning.
 """
 
 from __future__ import annotations
@@ -57,6 +56,7 @@ def _build() -> Any:
 
         build_dir = build_directory()
         build_dir.mkdir(parents=True, exist_ok=True)
+        os.utime(build_dir)  # used now: never taken for a stale one by another checkout's build
         remove_stale_build_lock(build_dir)
         remove_stale_build_directories(build_dir)
         load_extension(
@@ -94,13 +94,13 @@ def build_directory(kernels_dir: Path = KERNELS_DIR) -> Path:
 
 
 def remove_stale_build_directories(build_dir: Path, max_age_s: float = STALE_BUILD_DIRECTORY_S) -> list[Path]:
-    """Removes build_dir's siblings (other checkouts' and versions' builds) whose newest file is older than
-    max_age_s. Returns those it removed."""
+    """Removes build_dir's siblings (other checkouts' and versions' builds) neither used (their directory's time,
+    which each load sets) nor written (their files' times) for max_age_s. Returns those it removed."""
     removed = []
     for sibling in build_dir.parent.glob(f"{EXTENSION_NAME}-*"):
         if sibling == build_dir or not sibling.is_dir():
             continue
-        newest = max((p.stat().st_mtime for p in sibling.rglob("*")), default=sibling.stat().st_mtime)
+        newest = max([sibling.stat().st_mtime, *(p.stat().st_mtime for p in sibling.rglob("*"))])
         if time.time() - newest > max_age_s:
             shutil.rmtree(sibling, ignore_errors=True)
             removed.append(sibling)

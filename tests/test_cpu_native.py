@@ -40,6 +40,9 @@ def test_the_build_clears_a_stale_lock_in_its_build_directory_first(tmp_path, mo
     )
     cpu_native._build()
     assert seen == [(False, str(build_dir))]  # the lock was gone when torch's build began
+    os.utime(build_dir, (old, old))
+    cpu_native._build()  # a later load (no lock to remove) marks its build used
+    assert build_dir.stat().st_mtime > old + 60
 
 
 def test_each_checkout_and_version_of_the_sources_builds_in_a_directory_of_its_own(tmp_path, monkeypatch):
@@ -65,7 +68,7 @@ def test_builds_unused_for_a_week_are_removed_and_others_kept(tmp_path):
         directory.mkdir()
         (directory / "lib.so").write_bytes(b"")
     old = time.time() - cpu_native.STALE_BUILD_DIRECTORY_S - 60
-    for path in (current / "lib.so", current, stale / "lib.so", stale):
-        os.utime(path, (old, old))
+    for path in (current / "lib.so", current, stale / "lib.so", stale, recent / "lib.so"):
+        os.utime(path, (old, old))  # `recent`: built long ago, its directory's time set by a load since
     assert cpu_native.remove_stale_build_directories(current) == [stale]
     assert current.exists() and recent.exists() and not stale.exists()
