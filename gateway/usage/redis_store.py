@@ -267,13 +267,14 @@ class RedisUsageStore(UsageStore):
         except UNAVAILABLE as e:
             logger.warning("usage: could not delete old flush outcomes (next try in an hour): %s", describe(e))
 
-    async def _settle_commit(self, rollups: UsageRollups, flush_id: str) -> bool:
-        """Settles one flush in `committing` (see _settle_stale_commits); False when the database could not say yet."""
+    async def _settle_commit(self, rollups: UsageRollups, flush_id: str) -> None:
+        """Settles one flush in `committing` (see _settle_stale_commits); where the database cannot say yet, it stays
+        there for the next flush."""
         try:
             committed = await rollups.settle_flush(flush_id) == COMMITTED
         except UNAVAILABLE as e:
             logger.warning("usage: flush %s, stopped while committing, stays unsettled: %s", flush_id, describe(e))
-            return False
+            return
         flushing, pending, _, committing = self._claim_keys(flush_id)
         keys = [flushing, pending, committing, self._keys + "flushes"]
         if await self._settle(keys=keys, args=[flush_id, int(committed)]):
@@ -281,7 +282,6 @@ class RedisUsageStore(UsageStore):
                 logger.warning("usage: flush %s had committed before its flusher stopped; dropped its copy", flush_id)
             else:
                 logger.warning("usage: flush %s stopped before its commit; its counters are pending again", flush_id)
-        return True
 
     def _claim_keys(self, flush_id: str) -> list[str]:
         keys = self._keys
