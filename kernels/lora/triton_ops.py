@@ -125,7 +125,7 @@ def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_sli
         _check_dtypes(z, lora_b)
     rank = lora_b.shape[2]
     block_k = max(MIN_DOT, min(MAX_EXPAND_BLOCK_K, triton.next_power_of_2(rank)))
-    tiles, col_tiles = meta.tile_seg.shape[0], -(-max(output_slices) // EXPAND_BLOCK_N)
+    tiles, col_tiles = meta.tile_seg.shape[0], column_tiles(output_slices)
     group_tiles = expand_group_tiles(tiles * len(output_slices) * col_tiles, y.device)
     col_groups = -(-col_tiles // group_tiles)
     slice_bounds, slice_align = _slice_layout(output_slices, y.device, SLICE_ALIGN)
@@ -139,11 +139,15 @@ def lora_expand(y: Tensor, z: Tensor, lora_b: Tensor, meta: LoraMeta, output_sli
     )  # fmt: skip
 
 
+def column_tiles(output_slices: tuple[int, ...]) -> int:
+    """EXPAND_BLOCK_N-column tiles of the widest slice: the expand's and the fused kernel's programs per slice."""
+    return -(-max(output_slices) // EXPAND_BLOCK_N)
+
+
 def fused_pays(hidden_in: int, rank: int, output_slices: tuple[int, ...]) -> bool:
     """Whether add_lora takes a layer of these sizes in one launch (lora_fused) rather than a shrink and an expand:
     a rank of one step, and a shrink small enough to repeat for each of a slice's column tiles."""
-    col_tiles = -(-max(output_slices) // EXPAND_BLOCK_N)
-    return rank <= MAX_FUSED_RANK and col_tiles * hidden_in <= FUSE_MAX_REPEATED_K
+    return rank <= MAX_FUSED_RANK and column_tiles(output_slices) * hidden_in <= FUSE_MAX_REPEATED_K
 
 
 def lora_fused(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoraMeta, output_slices) -> None:
@@ -163,7 +167,7 @@ def lora_fused(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoraM
     block_r = max(MIN_DOT, triton.next_power_of_2(rank))
     x_tile = FUSED_X_TILE * 2 // x.element_size() // meta.tile_tokens
     block_k = max(MIN_DOT, min(triton.next_power_of_2(x.shape[1]), x_tile))
-    col_tiles = -(-max(output_slices) // EXPAND_BLOCK_N)
+    col_tiles = column_tiles(output_slices)
     slice_bounds, slice_align = _slice_layout(output_slices, y.device, SLICE_ALIGN)
     _fused(
         (meta.tile_seg.shape[0], len(output_slices) * col_tiles),
