@@ -1,6 +1,7 @@
 """`loraplex bench peer`: loraplex against vLLM-CPU on the same offline workload, in one window, as ratios.
 
-    loraplex bench peer [--vllm-venv /tmp/peers/vllm-venv] [--threads 2] [--background-load 1 [--background-duty 0.5]]
+    loraplex bench peer [--vllm-venv /tmp/peers/vllm-venv] [--threads 2] [--background-load 1 [--background-duty 0.5]
+                        [--background-nice 10]]
                         [--modes base,lora] [--adapters 8] [--model DIR --lora NAME=PATH ...]
                         [--max-loras 16 --max-cpu-loras 32]      (fewer adapter rows than adapters)
                         [--dtype bfloat16]                       (both engines; float32 by default)
@@ -13,8 +14,8 @@ request's adapter drawn uniformly; one untimed warm-up, then --runs timed runs w
 counts. Each system runs in its own process (python -m bench.offline_driver; VENV/bin/python
 bench/vllm_driver.py), the two interleaved mode by mode, with --threads threads each (vLLM's bound to cores
 0..threads-1) and --background-load busy processes running beside both the whole time (each busy
---background-duty of every 10 ms: 1, all the time, by default). vLLM is never installed
-here: without --vllm-venv only loraplex runs.
+--background-duty of every 10 ms: 1, all the time, by default; each in a session of its own at --background-nice,
+0 by default: the drivers' priority). vLLM is never installed here: without --vllm-venv only loraplex runs.
 
 Then loraplex's own LoRA / base once more, from --pairs pairs of one-run processes, base and LoRA back to back (the
 first of each pair taking turns), the median of the pairs' ratios: the mode-by-mode runs lie minutes apart, and on a
@@ -36,7 +37,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench import BenchError
-from bench.background_load import background_load
+from bench.background_load import background_load, check_background_load
 from bench.idle_check import warn_if_busy
 from bench.peer_workload import PeerWorkload
 from bench.process_group import run_in_group
@@ -58,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--background-load", type=int, default=0, help="busy processes beside (%(default)s)")
     parser.add_argument(
         "--background-duty", type=float, default=1.0, help="share of the time each one is busy (%(default)s)"
+    )
+    parser.add_argument(
+        "--background-nice",
+        type=int,
+        default=0,
+        help="their nice, 0-19: 0 the drivers' priority, 10 a batch job's (%(default)s)",
     )
     parser.add_argument("--modes", default="base,lora", help="base, lora or both (%(default)s)")
     add_model_options(parser)
@@ -97,6 +104,10 @@ def compare(args: argparse.Namespace) -> dict:
         raise BenchError("--max-loras and --max-cpu-loras must be positive")
     if args.pairs < 0:
         raise BenchError(f"--pairs must be 0 or more, got {args.pairs}")
+    try:  # before the model is built: a bad setting fails at once
+        check_background_load(args.background_load, args.background_duty, args.background_nice)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
     workload = PeerWorkload(
         args.num_prompts,
         args.input_len,
@@ -112,7 +123,7 @@ def compare(args: argparse.Namespace) -> dict:
         model, adapters, rank = prepare_model(args, Path(tmp))
         workload_file = workload.write(Path(tmp) / "workload.json", model, adapters, rank)
         busy_before = warn_if_busy()
-        with background_load(args.background_load, args.background_duty):
+        with background_load(args.background_load, args.background_duty, args.background_nice):
             for mode in modes:
                 if not args.skip_loraplex:
                     results.append(run_loraplex(workload_file, mode, args.threads, args.fixed_threads))
@@ -250,6 +261,7 @@ def summarize(
         "threads": args.threads,
         "background_load": args.background_load,
         "background_duty": args.background_duty,
+        "background_nice": args.background_nice,
         "loraplex_threads": "fixed" if args.fixed_threads else "adaptive",
         "workload": {**asdict(workload), "adapters": len(args.lora) if args.model else args.adapters},
         "results": results,
@@ -262,6 +274,8 @@ def print_summary(summary: dict) -> None:
     load = f"{summary['background_load']} busy process(es)"
     if summary["background_load"] and summary["background_duty"] < 1:
         load += f", {100 * summary['background_duty']:.0f}% of the time"
+    if summary["background_load"] and summary["background_nice"]:
+        load += f", at nice {summary['background_nice']}"
     print(f"\nthreads {summary['threads']}, background load {load}")
     print(f"{'system':<12}{'mode':<6}{'tok/s':>10}{'median s':>10}")
     for r in summary["results"]:

@@ -89,6 +89,32 @@ def test_background_load_keeps_busy_processes_running_and_stops_them():
         pass
     with pytest.raises(ValueError, match="duty"), background_load(1, duty=0.0):
         pass
+    for nice in (-1, 20):
+        with pytest.raises(ValueError, match=rf"nice must be in \[0, 19\].*got {nice}"), background_load(1, nice=nice):
+            pass
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_background_load_at_a_lower_priority_runs_niced_in_a_session_of_its_own():
+    """A neighbour is another service: a session of its own, at the priority asked, and where the kernel schedules
+    sessions as groups (autogroup) the group's too (else the group would weigh as much as ours whatever its nice)."""
+    with background_load(1, nice=10) as (spinner,):
+        deadline = time.monotonic() + 10
+        while _nice(spinner.pid) != 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _nice(spinner.pid) == 10
+        assert os.getsid(spinner.pid) == spinner.pid != os.getsid(0)
+        autogroup = Path(f"/proc/{spinner.pid}/autogroup")
+        if autogroup.exists():
+            assert autogroup.read_text().split()[-1] == "10", autogroup.read_text()
+    with background_load(1) as (spinner,):
+        time.sleep(0.3)
+        assert _nice(spinner.pid) == os.nice(0)  # by default, the priority of the benchmark's drivers
+        assert os.getsid(spinner.pid) == spinner.pid
+
+
+def _nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])  # the stat's 19th field
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
@@ -195,6 +221,8 @@ def test_peer_names_a_venv_without_vllm_and_bad_modes(tmp_path):
         peer.main(["--modes", "fast"])
     with pytest.raises(SystemExit, match="--pairs must be 0 or more, got -1"):
         peer.main(["--pairs", "-1"])
+    with pytest.raises(SystemExit, match=r"background load nice must be in .* got 25"):
+        peer.main(["--background-load", "1", "--background-nice", "25"])
 
 
 def test_server_thread_cpu_reads_the_main_and_the_engine_threads():
