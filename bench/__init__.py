@@ -21,9 +21,10 @@ peer_workload.py    the peer comparison's workload file, read by both drivers
 offline_driver.py   loraplex's side of a peer comparison, in a process of its own
 vllm_driver.py      vLLM's side, run with the vLLM venv's Python
 server_process.py   `loraplex serve` in a subprocess, on 127.0.0.1
-background_load.py  busy processes beside a benchmark (`--background-load`)
+background_load.py  busy processes beside a benchmark (`--background-load`, at `--background-nice`)
 process_group.py    drivers in process groups of their own, killed whole when they end
 idle_check.py       the other processes that keep the machine busy, named before a comparison starts
+RESULTS.md          every measurement window so far (the README's "Benchmarks" summarises the latest)
 """
 
 
