@@ -117,6 +117,7 @@ class ThreadGovernor:
         self._read_busy, self._clock = read_busy, clock
         self.threads = max_threads
         self.others_busy = 0.0  # cores other processes kept busy over the last interval
+        self._hinted = False  # the first shrink says what gives the team its cores back
         torch.set_num_threads(self.threads)
         try:
             self._last = (self._clock(), *self._read_busy())
@@ -150,6 +151,13 @@ class ThreadGovernor:
                 self.others_busy,
                 self.cores,
             )
+            if threads < self.threads and not self._hinted:
+                self._hinted = True
+                logger.info(
+                    "cpu threads: a busy process of the same priority gets as much of the CPU as this one (per "
+                    "session or cgroup), whatever the team's size; to keep more, lower its priority (nice) or raise "
+                    "this server's CPU weight (systemd CPUWeight=, a Kubernetes CPU request)"
+                )
             self.threads = threads
             torch.set_num_threads(threads)
         return self.threads

@@ -61,6 +61,18 @@ def test_the_team_shrinks_to_the_free_cores_and_grows_back_when_the_neighbour_go
         assert team.others_busy == pytest.approx(others)
 
 
+def test_the_first_shrink_says_once_what_gives_the_cores_back(caplog):
+    machine = FakeMachine()
+    team = governor(machine, max_threads=2, cores=2)
+    with caplog.at_level("INFO", logger="engine.cpu_threads"):
+        for others in (0.0, 1.0, 0.0, 1.0):  # shrinks, grows back, shrinks again
+            machine.run(1.0, others=others, own=2.0 - others)
+            team.tick()
+    assert [r.getMessage() for r in caplog.records if "cpu threads: 2 -> 1" in r.getMessage()] != []
+    hints = [r.getMessage() for r in caplog.records if "CPU weight" in r.getMessage()]
+    assert len(hints) == 1 and "nice" in hints[0], hints
+
+
 def test_the_team_is_never_larger_than_configured_and_the_load_is_read_once_per_interval():
     machine = FakeMachine()
     team = governor(machine, max_threads=2, cores=8)
