@@ -1,7 +1,7 @@
 """`loraplex bench peer`: loraplex against vLLM-CPU on the same offline workload, in one window, as ratios.
 
     loraplex bench peer [--vllm-venv /tmp/peers/vllm-venv] [--threads 2] [--background-load 1 [--background-duty 0.5]
-                        [--background-nice 10]]
+                        [--background-nice 10] [--versus-idle]]
                         [--modes base,lora] [--adapters 8] [--model DIR --lora NAME=PATH ...]
                         [--max-loras 16 --max-cpu-loras 32]      (fewer adapter rows than adapters)
                         [--dtype bfloat16]                       (both engines; float32 by default)
@@ -15,7 +15,9 @@ counts. Each system runs in its own process (python -m bench.offline_driver; VEN
 bench/vllm_driver.py), the two interleaved mode by mode, with --threads threads each (vLLM's bound to cores
 0..threads-1) and --background-load busy processes running beside both the whole time (each busy
 --background-duty of every 10 ms: 1, all the time, by default; each in a session of its own at --background-nice,
-0 by default: the drivers' priority). vLLM is never installed here: without --vllm-venv only loraplex runs.
+0 by default: the drivers' priority); with --versus-idle every system and mode also runs on the idle machine first,
+before the busy processes start, and what each keeps of its idle speed is printed (loaded / idle, the same threads).
+vLLM is never installed here: without --vllm-venv only loraplex runs.
 
 Then loraplex's own LoRA / base once more, from --pairs pairs of one-run processes, base and LoRA back to back (the
 first of each pair taking turns), the median of the pairs' ratios: the mode-by-mode runs lie minutes apart, and on a
@@ -66,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="their nice, 0-19: 0 the drivers' priority, 10 a batch job's (%(default)s)",
     )
+    parser.add_argument(
+        "--versus-idle", action="store_true", help="also run on the idle machine first: loaded / idle ratios"
+    )
     parser.add_argument("--modes", default="base,lora", help="base, lora or both (%(default)s)")
     add_model_options(parser)
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -108,6 +113,8 @@ def compare(args: argparse.Namespace) -> dict:
         check_background_load(args.background_load, args.background_duty, args.background_nice)
     except ValueError as e:
         raise BenchError(str(e)) from None
+    if args.versus_idle and not args.background_load:
+        raise BenchError("--versus-idle compares runs beside --background-load busy processes with idle ones")
     workload = PeerWorkload(
         args.num_prompts,
         args.input_len,
@@ -117,22 +124,18 @@ def compare(args: argparse.Namespace) -> dict:
         max_cpu_loras=args.max_cpu_loras,
         dtype=args.dtype,
     )
-    results: list[dict] = []
     pairs: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="loraplex-peer-") as tmp:
         model, adapters, rank = prepare_model(args, Path(tmp))
         workload_file = workload.write(Path(tmp) / "workload.json", model, adapters, rank)
         busy_before = warn_if_busy()
+        idle_results = run_modes(modes, args, workload_file, vllm_python) if args.versus_idle else []
         with background_load(args.background_load, args.background_duty, args.background_nice):
-            for mode in modes:
-                if not args.skip_loraplex:
-                    results.append(run_loraplex(workload_file, mode, args.threads, args.fixed_threads))
-                if vllm_python:
-                    results.append(run_vllm(vllm_python, args, workload_file, mode))
+            results = run_modes(modes, args, workload_file, vllm_python)
             if not args.skip_loraplex and set(modes) == set(MODES) and adapters:
                 pair_file = replace(workload, runs=1).write(Path(tmp) / "pair-workload.json", model, adapters, rank)
                 pairs = run_pairs(pair_file, args)
-    summary = summarize(results, args, workload, pairs)
+    summary = summarize(results, args, workload, pairs, idle_results)
     summary["busy_before"] = busy_before
     print_summary(summary)
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -190,6 +193,17 @@ def adapter_rank(path: Path) -> int:
     return int(json.loads((path / "adapter_config.json").read_text())["r"])
 
 
+def run_modes(modes: list[str], args: argparse.Namespace, workload_file: Path, vllm_python: Path | None) -> list[dict]:
+    """Each mode's run of each system, interleaved mode by mode."""
+    results = []
+    for mode in modes:
+        if not args.skip_loraplex:
+            results.append(run_loraplex(workload_file, mode, args.threads, args.fixed_threads))
+        if vllm_python:
+            results.append(run_vllm(vllm_python, args, workload_file, mode))
+    return results
+
+
 def run_loraplex(workload_file: Path, mode: str, threads: int, fixed_threads: bool = False) -> dict:
     command = [sys.executable, "-m", "bench.offline_driver", "--workload", str(workload_file)]
     command += ["--threads", str(threads)] + (["--no-lora"] if mode == "base" else [])
@@ -243,8 +257,13 @@ def run_driver(command: list, env: dict, system: str, mode: str) -> dict:
 
 
 def summarize(
-    results: list[dict], args: argparse.Namespace, workload: PeerWorkload, pairs: Sequence[dict[str, float]] = ()
+    results: list[dict],
+    args: argparse.Namespace,
+    workload: PeerWorkload,
+    pairs: Sequence[dict[str, float]] = (),
+    idle_results: Sequence[dict] = (),
 ) -> dict:
+    """`results` beside the busy processes (if any); `idle_results` the same runs on the idle machine before them."""
     tok_s = {(r["system_name"], r["mode"]): r["output_tok_s"] for r in results}
     ratios = {}
     for mode in MODES:
@@ -255,6 +274,10 @@ def summarize(
             ratios[f"{system} lora/base"] = tok_s[system, "lora"] / tok_s[system, "base"]
     if pairs:
         ratios[PAIRED] = statistics.median(pair["lora"] / pair["base"] for pair in pairs)
+    for r in idle_results:
+        key = (r["system_name"], r["mode"])
+        if key in tok_s:
+            ratios[f"{key[0]} loaded/idle {key[1]}"] = tok_s[key] / r["output_tok_s"]
     return {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{usable_cores()} usable cores",
@@ -265,6 +288,7 @@ def summarize(
         "loraplex_threads": "fixed" if args.fixed_threads else "adaptive",
         "workload": {**asdict(workload), "adapters": len(args.lora) if args.model else args.adapters},
         "results": results,
+        "idle_results": list(idle_results),  # with --versus-idle: the same runs before the busy processes started
         "pairs": list(pairs),  # [{mode: output tok/s}]: loraplex's base and LoRA runs back to back
         "ratios": ratios,
     }
@@ -280,6 +304,8 @@ def print_summary(summary: dict) -> None:
     print(f"{'system':<12}{'mode':<6}{'tok/s':>10}{'median s':>10}")
     for r in summary["results"]:
         print(f"{r['system_name']:<12}{r['mode']:<6}{r['output_tok_s']:>10.1f}{r['wall_s']:>10.2f}")
+    for r in summary.get("idle_results", []):
+        print(f"{r['system_name']:<12}{r['mode']:<6}{r['output_tok_s']:>10.1f}{r['wall_s']:>10.2f}  idle")
     for name, value in summary["ratios"].items():
         print(f"{name:<32}{value:>6.2f}")
     if summary["pairs"]:

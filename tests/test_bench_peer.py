@@ -3,6 +3,7 @@ vLLM's driver against a recording stand-in (vLLM is never installed here; the re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -191,6 +192,43 @@ def test_peer_compares_both_systems_mode_by_mode_as_ratios(model, tmp_path, monk
     assert set(pair) == {"base", "lora"} and min(pair.values()) > 0
     assert summary["ratios"]["loraplex lora/base (paired)"] == pytest.approx(pair["lora"] / pair["base"])
     assert json.loads((tmp_path / "peer.json").read_text())["ratios"] == summary["ratios"]
+
+
+def test_versus_idle_runs_each_system_idle_first_then_beside_the_load_and_prints_loaded_over_idle(
+    model, tmp_path, monkeypatch, capsys
+):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    monkeypatch.setenv("PYTHONPATH", str(FAKE_VLLM))
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "vllm.log"))
+    base, adapters = model
+    argv = ["--model", str(base), *(f"--lora={n}={p}" for n, p in adapters), "--vllm-venv", str(venv)]
+    argv += ["--num-prompts", "3", "--input-len", "8", "--output-len", "3", "--runs", "1", "--threads", "1"]
+    loaded = []  # whether the busy processes ran while each driver did
+    background = peer.background_load
+    busy = threading.Event()
+
+    @contextlib.contextmanager
+    def watched_load(*args):
+        with background(*args) as spinners:
+            busy.set()
+            yield spinners
+        busy.clear()
+
+    run_driver = peer.run_driver
+    monkeypatch.setattr(peer, "background_load", watched_load)
+    monkeypatch.setattr(peer, "run_driver", lambda *a: loaded.append((a[2], a[3], busy.is_set())) or run_driver(*a))
+    summary = peer.main([*argv, "--background-load", "1", "--versus-idle", "--modes", "lora"])
+    runs = [("loraplex", "lora"), ("vllm", "lora")]
+    assert loaded == [(*run, False) for run in runs] + [(*run, True) for run in runs]
+    idle = {(r["system_name"], r["mode"]): r["output_tok_s"] for r in summary["idle_results"]}
+    for r in summary["results"]:
+        key = (r["system_name"], r["mode"])
+        assert summary["ratios"][f"{key[0]} loaded/idle {key[1]}"] == pytest.approx(r["output_tok_s"] / idle[key])
+    assert len(summary["results"]) == 2 and capsys.readouterr().out.count("  idle") == 2
+    with pytest.raises(SystemExit, match="--versus-idle compares runs beside --background-load"):
+        peer.main([*argv, "--versus-idle"])
 
 
 def test_pairs_take_turns_going_first_and_their_median_ratio_counts(monkeypatch, tmp_path):
