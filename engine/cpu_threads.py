@@ -8,7 +8,11 @@ cores, so the kernel can move it away from a neighbour; it grows back when the n
 Load is read from /proc/stat (every process's busy time) minus /proc/self/stat (this process's: the engine and, in
 `loraplex serve`, the gateway beside it), over the last interval; an interval this process spent mostly idle is
 not used (a neighbour that ran while the server waited for requests is no reason to start the next burst with
-fewer threads). Elsewhere (no /proc) the team stays as configured.
+fewer threads). Nor does a neighbour shrink the team unless the team's threads waited for a core meanwhile (their
+schedstat run delay): one that ran on a core the engine left unused (loading its model, a spell of Python) took
+nothing from it, and one of lower priority yields that core the moment the team needs it (a shrink there was for
+good: at one thread the neighbour keeps its core however little it weighs). Elsewhere (no /proc) the team stays as
+configured.
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ IDLE_BELOW_CORES = 0.5  # an interval in which this process kept less than this 
 # 1.2-1.3x faster; one busy 70% of its time shows as 0.42 and a team of 2 stays 1.1x faster, at 50% (0.34) 1.2x,
 # at 30% (0.22) 1.5x. A part-time neighbour (an HTTP client, the benchmark's own) must not halve the team.
 NEIGHBOUR_TAKES_CORE_AT = 0.55
+# Cores' worth of time the process's threads must have spent waiting for a CPU over the interval for a neighbour to
+# shrink the team. Measured on 2 cores (Zen 4, W1): the engine loading its model beside a busy process, 0.00-0.02; a
+# team of 2 beside one of the same priority, ~1.0; beside one at nice 10 (which yields), ~0.2.
+CONTENDED_WAIT_CORES = 0.1
 
 
 def usable_cores() -> int:
@@ -50,6 +58,19 @@ def busy_seconds() -> tuple[float, float]:
     ticks = [int(f) for f in fields]
     machine_busy = sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)  # all but idle and iowait
     return machine_busy / TICKS_PER_S, stat_cpu_s(Path("/proc/self/stat"))
+
+
+def waiting_seconds() -> float:
+    """Seconds this process's threads have spent runnable but waiting for a CPU (each one's schedstat run delay),
+    summed over its threads now (a thread that ended drops out: an interval in which one ended may read less than
+    its threads waited, never more). Raises OSError where the kernel keeps no schedstat."""
+    total = int(Path("/proc/self/schedstat").read_text().split()[1])  # the main thread's, and the check it exists
+    for task in os.scandir("/proc/self/task"):
+        if task.name == str(os.getpid()):
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            total += int(Path(task.path, "schedstat").read_text().split()[1])
+    return total / 1e9
 
 
 def stat_cpu_s(stat: Path) -> float:
@@ -110,11 +131,13 @@ class ThreadGovernor:
         cores: int | None = None,
         read_busy: Callable[[], tuple[float, float]] = busy_seconds,
         clock: Callable[[], float] = time.monotonic,
+        read_waiting: Callable[[], float] = waiting_seconds,
     ):
         self.max_threads = max_threads
         self.interval_s = interval_s
         self.cores = cores or usable_cores()
-        self._read_busy, self._clock = read_busy, clock
+        self._read_busy, self._clock, self._read_waiting = read_busy, clock, read_waiting
+        self._waiting = self._waiting_now()  # None: no schedstat here, and any neighbour may shrink the team
         self.threads = max_threads
         self.others_busy = 0.0  # cores other processes kept busy over the last interval
         self._hinted = False  # the first shrink says what gives the team its cores back
@@ -124,6 +147,13 @@ class ThreadGovernor:
         except OSError:
             self._last = None  # no /proc: a fixed team
             logger.info("cpu threads: %d, fixed (no /proc to read the machine's load from)", self.threads)
+
+    def restart(self) -> None:
+        """Starts the next interval now: what ran before (the engine loading its model, on fewer threads than its
+        team, beside whatever else ran) says nothing of the load its steps will meet."""
+        if self._last is not None:
+            self._last = (self._clock(), *self._read_busy())
+        self._waiting = self._waiting_now()
 
     def tick(self) -> int:
         """Between two steps: resizes the team once per interval; returns the team size."""
@@ -135,6 +165,8 @@ class ThreadGovernor:
         machine, own = self._read_busy()
         then, machine_then, own_then = self._last
         self._last = (now, machine, own)
+        waiting, waiting_then = self._waiting_now(), self._waiting
+        self._waiting = waiting
         if (own - own_then) / (now - then) < IDLE_BELOW_CORES:
             # this process sat idle through most of the interval (a server between bursts): what other processes
             # did then says little of the load its next steps will meet, so the next interval, from now, decides
@@ -143,6 +175,9 @@ class ThreadGovernor:
         # a neighbour seen using most of a core takes it: the team's thread there would wait for it at every barrier
         free = self.cores - math.floor(self.others_busy + 1 - NEIGHBOUR_TAKES_CORE_AT)
         threads = max(1, min(self.max_threads, free))
+        waited = None if waiting is None or waiting_then is None else (waiting - waiting_then) / (now - then)
+        if threads < self.threads and waited is not None and waited < CONTENDED_WAIT_CORES:
+            threads = self.threads  # the neighbour took nothing the team was waiting for
         if threads != self.threads:
             logger.info(
                 "cpu threads: %d -> %d (other processes keep %.1f of %d cores busy)",
@@ -161,3 +196,9 @@ class ThreadGovernor:
             self.threads = threads
             torch.set_num_threads(threads)
         return self.threads
+
+    def _waiting_now(self) -> float | None:
+        try:
+            return self._read_waiting()
+        except OSError:
+            return None

@@ -104,6 +104,8 @@ class LLMEngine:
         self._arrivals = 0
         torch.manual_seed(config.seed)
         freeze_startup_heap()
+        if self.thread_governor is not None:
+            self.thread_governor.restart()  # the first interval is the first steps', not the model load's
 
     def _eos_token_ids(self) -> set[int]:
         """The tokenizer's eos plus any that generation_config.json lists (chat models often add one); for a GGUF

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from pathlib import Path
@@ -31,23 +32,35 @@ def keep_torch_threads():
 
 
 class FakeMachine:
-    """Busy-time counters that advance as the test says: `others` cores busy elsewhere, `own` in this process."""
+    """Busy-time counters that advance as the test says: `others` cores busy elsewhere, `own` in this process, and
+    `waiting` cores' worth of time its threads spent waiting for a CPU (by default, as a team contending does)."""
 
     def __init__(self):
-        self.now, self.machine, self.own, self.reads = 0.0, 0.0, 0.0, 0
+        self.now, self.machine, self.own, self.waiting, self.reads = 0.0, 0.0, 0.0, 0.0, 0
 
-    def run(self, seconds: float, others: float, own: float) -> None:
+    def run(self, seconds: float, others: float, own: float, waiting: float = 1.0) -> None:
         self.now += seconds
         self.machine += (others + own) * seconds
         self.own += own * seconds
+        self.waiting += waiting * seconds
 
     def read(self) -> tuple[float, float]:
         self.reads += 1
         return self.machine, self.own
 
+    def read_waiting(self) -> float:
+        return self.waiting
+
 
 def governor(machine: FakeMachine, max_threads: int, cores: int) -> ThreadGovernor:
-    return ThreadGovernor(max_threads, interval_s=1.0, cores=cores, read_busy=machine.read, clock=lambda: machine.now)
+    return ThreadGovernor(
+        max_threads,
+        interval_s=1.0,
+        cores=cores,
+        read_busy=machine.read,
+        clock=lambda: machine.now,
+        read_waiting=machine.read_waiting,
+    )
 
 
 def test_the_team_shrinks_to_the_free_cores_and_grows_back_when_the_neighbour_goes():
@@ -109,6 +122,66 @@ def test_a_part_time_neighbour_keeps_the_team_and_a_full_time_one_takes_its_core
     assert team.tick() == 2
 
 
+def test_a_neighbour_on_a_core_the_team_left_unused_does_not_shrink_it():
+    """The engine loading its model on one thread beside a busy process: the process has the other core, but took
+    nothing the team waited for (one of lower priority would yield it to the team's first step), so the team stays;
+    once the team's threads wait for it, it takes its core, and at one thread nobody waits any more."""
+    machine = FakeMachine()
+    team = governor(machine, max_threads=2, cores=2)
+    machine.run(3.0, others=1.0, own=1.0, waiting=0.01)  # loading: measured 0.00-0.02 of a core waiting
+    assert team.tick() == 2 and team.others_busy == pytest.approx(1.0)
+    machine.run(1.0, others=0.2, own=1.8, waiting=0.2)  # a neighbour at nice 10 beside the team: it yields
+    assert team.tick() == 2
+    machine.run(1.0, others=0.64, own=1.36, waiting=1.0)  # one of the same priority: the team waits for it
+    assert team.tick() == 1
+    machine.run(1.0, others=1.0, own=1.0, waiting=0.0)  # the team of one waits for nothing, and stays one
+    assert team.tick() == 1
+    machine.run(1.0, others=0.0, own=2.0, waiting=0.0)  # the neighbour gone: the team grows back
+    assert team.tick() == 2
+
+
+def test_a_restart_leaves_the_start_up_out_of_the_first_interval():
+    machine = FakeMachine()
+    team = governor(machine, max_threads=2, cores=2)
+    machine.run(4.0, others=1.0, own=1.0, waiting=0.5)  # loading the model beside a busy process, waiting at times
+    team.restart()
+    machine.run(1.0, others=0.2, own=1.8, waiting=0.2)  # the first steps, beside a neighbour that yields
+    assert team.tick() == 2 and team.others_busy == pytest.approx(0.2)
+    machine.run(4.0, others=0.6, own=1.4, waiting=0.5)
+    assert team.tick() == 1  # without the restart that interval would have counted
+
+
+def test_without_schedstat_any_neighbour_may_shrink_the_team():
+    machine = FakeMachine()
+
+    def no_schedstat():
+        raise OSError("no schedstat")
+
+    team = ThreadGovernor(2, cores=2, read_busy=machine.read, clock=lambda: machine.now, read_waiting=no_schedstat)
+    machine.run(3.0, others=1.0, own=1.0, waiting=0.0)
+    assert team.tick() == 1
+
+
+@pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="the kernel keeps no schedstat")
+def test_waiting_seconds_reads_every_thread_of_the_process():
+    stop, data = threading.Event(), bytes(1 << 20)
+
+    def hash_until_stopped():
+        while not stop.is_set():
+            hashlib.sha256(data).digest()  # hashlib lets go of the GIL: the threads run at once
+
+    before = cpu_threads.waiting_seconds()
+    workers = [threading.Thread(target=hash_until_stopped) for _ in range(usable_cores() + 2)]
+    for t in workers:  # two more runnable threads than cores: together they wait ~2 cores' worth for a CPU
+        t.start()
+    time.sleep(1.0)
+    waited = cpu_threads.waiting_seconds() - before  # while they run: a thread that ended drops out of the sum
+    stop.set()
+    for t in workers:
+        t.join()
+    assert waited > 0.5
+
+
 def test_without_proc_the_team_stays_as_configured():
     def unreadable():
         raise OSError("no /proc")
@@ -134,8 +207,15 @@ def test_real_busy_neighbours_on_every_core_leave_a_team_of_one():
     assert machine_after - machine_before >= own_after - own_before >= 0
 
 
-def test_the_engine_governs_its_team_unless_told_not_to(model_dir):
+def test_the_engine_governs_its_team_unless_told_not_to(model_dir, monkeypatch):
+    from engine.model_runner import ModelRunner
+
+    events = []  # the team's first interval starts once the model is built, not before its load
+    capture, restart = ModelRunner.capture_decode_graphs, ThreadGovernor.restart
+    monkeypatch.setattr(ModelRunner, "capture_decode_graphs", lambda *a: events.append("built") or capture(*a))
+    monkeypatch.setattr(ThreadGovernor, "restart", lambda self: events.append("restart") or restart(self))
     adaptive = LLM(model=str(model_dir), device="cpu", num_kv_blocks=8, cpu_threads=2)
+    assert events == ["built", "restart"]
     assert adaptive.engine.thread_governor is not None and adaptive.engine.thread_governor.max_threads == 2
     assert adaptive.engine.snapshot().cpu_threads == torch.get_num_threads()
     fixed = LLM(model=str(model_dir), device="cpu", num_kv_blocks=8, cpu_threads=2, cpu_threads_adapt=False)
