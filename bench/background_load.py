@@ -4,9 +4,9 @@ Each is a separate Python process spinning on one core (a process, not a thread:
 a neighbour does, outside our OpenMP team), all the time or, with `duty` < 1, that share of every 10 ms and asleep
 for the rest (a part-time neighbour: an HTTP client, a batch job that waits on I/O). Each runs in a session of its
 own, as another service would, at `nice` 0 (the same priority as the benchmark's drivers) or lower: 10 is a batch
-job's usual priority. Where the kernel groups processes by session for scheduling (autogroup, on by default on most
-distributions), a group's weight comes from its own nice value rather than its processes', so each spinner sets
-both. They are stopped, whatever happens, when the block ends.
+job's usual priority. Where the kernel groups processes by session for scheduling (autogroup:
+/proc/sys/kernel/sched_autogroup_enabled), a group's weight comes from its own nice value rather than its
+processes', so each spinner sets both. They are stopped, whatever happens, when the block ends.
 """
 
 from __future__ import annotations
