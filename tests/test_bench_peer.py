@@ -161,7 +161,9 @@ def test_vllm_driver_asks_vllm_for_the_same_requests_adapters_and_threads(worklo
     assert "enable_lora" not in init["body"] and all(g["body"]["adapters"] is None for g in generates)
 
 
-def test_peer_compares_both_systems_mode_by_mode_as_ratios(model, tmp_path, monkeypatch):
+def peer_argv(model, tmp_path: Path, monkeypatch) -> list[str]:
+    """`bench peer` options for the tiny model and its adapters, one run of 3 short requests, against the recording
+    stand-in for vLLM in a venv made here."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").symlink_to(sys.executable)
@@ -169,7 +171,11 @@ def test_peer_compares_both_systems_mode_by_mode_as_ratios(model, tmp_path, monk
     monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "vllm.log"))
     base, adapters = model
     argv = ["--model", str(base), *(f"--lora={n}={p}" for n, p in adapters), "--vllm-venv", str(venv)]
-    argv += ["--num-prompts", "3", "--input-len", "8", "--output-len", "3", "--runs", "1", "--threads", "1"]
+    return [*argv, "--num-prompts", "3", "--input-len", "8", "--output-len", "3", "--runs", "1", "--threads", "1"]
+
+
+def test_peer_compares_both_systems_mode_by_mode_as_ratios(model, tmp_path, monkeypatch):
+    argv = peer_argv(model, tmp_path, monkeypatch)
     drivers = []  # (system, mode) of each driver process, in the order they ran
     run_driver = peer.run_driver
     monkeypatch.setattr(peer, "run_driver", lambda *a: drivers.append(a[2:]) or run_driver(*a))
@@ -197,14 +203,7 @@ def test_peer_compares_both_systems_mode_by_mode_as_ratios(model, tmp_path, monk
 def test_versus_idle_runs_each_system_idle_first_then_beside_the_load_and_prints_loaded_over_idle(
     model, tmp_path, monkeypatch, capsys
 ):
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(sys.executable)
-    monkeypatch.setenv("PYTHONPATH", str(FAKE_VLLM))
-    monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "vllm.log"))
-    base, adapters = model
-    argv = ["--model", str(base), *(f"--lora={n}={p}" for n, p in adapters), "--vllm-venv", str(venv)]
-    argv += ["--num-prompts", "3", "--input-len", "8", "--output-len", "3", "--runs", "1", "--threads", "1"]
+    argv = peer_argv(model, tmp_path, monkeypatch)
     loaded = []  # whether the busy processes ran while each driver did
     background = peer.background_load
     busy = threading.Event()
