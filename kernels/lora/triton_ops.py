@@ -239,6 +239,24 @@ def _tile_tokens(tile_start_ptr, seg, sorted_token_idx_ptr, seg_indptr_ptr, seg_
 
 
 @triton.jit
+def _x_at_rows(
+    x_ptr, tokens, row_valid, a_rows, a_row_valid, k_begin, k_end, stride_xt, stride_xh, stride_ah,
+    BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """x[tokens, k_begin:k_end] @ A.T, [BLOCK_M, BLOCK_A] fp32, A's rows at a_rows ([BLOCK_A, 1] pointers) read
+    along H_in with stride_ah; masked rows and rows of A give zeros: the shrink's sum, in its kernel and the fused."""
+    acc = tl.zeros([BLOCK_M, BLOCK_A], dtype=tl.float32)
+    for k_start in range(k_begin, k_end, BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        k_valid = ks < k_end
+        x_offs = tokens[:, None] * stride_xt + ks[None, :] * stride_xh  # [BLOCK_M, BLOCK_K]
+        x = tl.load(x_ptr + x_offs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+        a = tl.load(a_rows + ks[None, :] * stride_ah, mask=a_row_valid[:, None] & k_valid[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _shrink_kernel(
     out_ptr, x_ptr, lora_a_ptr, sorted_token_idx_ptr, seg_indptr_ptr, seg_adapter_idx_ptr, tile_seg_ptr,
     tile_start_ptr, hidden_in, width, k_per_part,
@@ -257,16 +275,12 @@ def _shrink_kernel(
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_valid = cols < width
         a_rows = lora_a_ptr + adapter * stride_an + cols[:, None] * stride_aw  # [BLOCK_N, 1]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         k_begin = part * k_per_part
         k_end = tl.minimum(hidden_in, k_begin + k_per_part)
-        for k_start in range(k_begin, k_end, BLOCK_K):
-            ks = k_start + tl.arange(0, BLOCK_K)
-            k_valid = ks < k_end
-            x_offs = tokens[:, None] * stride_xt + ks[None, :] * stride_xh  # [BLOCK_M, BLOCK_K]
-            x = tl.load(x_ptr + x_offs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            a = tl.load(a_rows + ks[None, :] * stride_ah, mask=col_valid[:, None] & k_valid[None, :], other=0.0)
-            acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)
+        acc = _x_at_rows(
+            x_ptr, tokens, row_valid, a_rows, col_valid, k_begin, k_end, stride_xt, stride_xh, stride_ah,
+            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+        )  # fmt: skip
         out_offs = part * stride_op + tokens[:, None] * stride_ot + cols[None, :] * stride_ow
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
 
@@ -352,14 +366,10 @@ def _fused_kernel(
         ranks = tl.arange(0, BLOCK_R)
         rank_valid = ranks < rank
         a_rows = lora_a_ptr + adapter * stride_an + (s * rank + ranks)[:, None] * stride_aw  # [BLOCK_R, 1]
-        z = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for k_start in range(0, hidden_in, BLOCK_K):
-            ks = k_start + tl.arange(0, BLOCK_K)
-            k_valid = ks < hidden_in
-            x_offs = tokens[:, None] * stride_xt + ks[None, :] * stride_xh  # [BLOCK_M, BLOCK_K]
-            x = tl.load(x_ptr + x_offs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            a = tl.load(a_rows + ks[None, :] * stride_ah, mask=rank_valid[:, None] & k_valid[None, :], other=0.0)
-            z += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)
+        z = _x_at_rows(
+            x_ptr, tokens, row_valid, a_rows, rank_valid, 0, hidden_in, stride_xt, stride_xh, stride_ah,
+            BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION,
+        )  # fmt: skip
         b_ptrs = lora_b_ptr + adapter * stride_bn + (col_start + in_slice)[:, None] * stride_bh  # [BLOCK_N, 1]
         b = tl.load(b_ptrs + ranks[None, :] * stride_br, mask=col_valid[:, None] & rank_valid[None, :], other=0.0)
         acc += tl.dot(z.to(b.dtype), tl.trans(b), input_precision=DOT_PRECISION)
