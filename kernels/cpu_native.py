@@ -95,9 +95,12 @@ def build_directory(kernels_dir: Path = KERNELS_DIR) -> Path:
 
 def remove_stale_build_directories(build_dir: Path, max_age_s: float = STALE_BUILD_DIRECTORY_S) -> list[Path]:
     """Removes build_dir's siblings (other checkouts' and versions' builds) neither used (their directory's time,
-    which each load sets) nor written (their files' times) for max_age_s. Returns those it removed."""
+    which each load sets) nor written (their files' times) for max_age_s, and as old builds in torch's own one
+    directory per name (<cache>/py311_cpu/loraplex_cpu_kernels, where they went before the keyed directories).
+    Returns those it removed."""
     removed = []
-    for sibling in build_dir.parent.glob(f"{EXTENSION_NAME}-*"):
+    legacy = build_dir.parent.parent.glob(f"py*/{EXTENSION_NAME}")
+    for sibling in [*build_dir.parent.glob(f"{EXTENSION_NAME}-*"), *legacy]:
         if sibling == build_dir or not sibling.is_dir():
             continue
         newest = max([sibling.stat().st_mtime, *(p.stat().st_mtime for p in sibling.rglob("*"))])

@@ -63,12 +63,15 @@ def test_each_checkout_and_version_of_the_sources_builds_in_a_directory_of_its_o
 
 
 def test_builds_unused_for_a_week_are_removed_and_others_kept(tmp_path):
-    current, recent, stale = (tmp_path / f"{cpu_native.EXTENSION_NAME}-{key}" for key in ("aa", "bb", "cc"))
-    for directory in (current, recent, stale):
-        directory.mkdir()
+    ours = tmp_path / "loraplex"  # <cache>/loraplex/<name>-<key>; torch's own: <cache>/py311_cpu/<name>
+    current, recent, stale = (ours / f"{cpu_native.EXTENSION_NAME}-{key}" for key in ("aa", "bb", "cc"))
+    legacy, legacy_recent = (tmp_path / tag / cpu_native.EXTENSION_NAME for tag in ("py311_cpu", "py312_cpu"))
+    for directory in (current, recent, stale, legacy, legacy_recent):
+        directory.mkdir(parents=True)
         (directory / "lib.so").write_bytes(b"")
     old = time.time() - cpu_native.STALE_BUILD_DIRECTORY_S - 60
-    for path in (current / "lib.so", current, stale / "lib.so", stale, recent / "lib.so"):
+    for path in (current / "lib.so", current, stale / "lib.so", stale, recent / "lib.so", legacy / "lib.so", legacy):
         os.utime(path, (old, old))  # `recent`: built long ago, its directory's time set by a load since
-    assert cpu_native.remove_stale_build_directories(current) == [stale]
-    assert current.exists() and recent.exists() and not stale.exists()
+    assert cpu_native.remove_stale_build_directories(current) == [stale, legacy]
+    assert current.exists() and recent.exists() and legacy_recent.exists()
+    assert not stale.exists() and not legacy.exists()
