@@ -86,6 +86,21 @@ def run_transformers(model, prompts: list[list[int]], output_len: int) -> float:
     return elapsed
 
 
+def op_category(name: str) -> str:
+    """Which part of a step a profiled op is: the decode stack (every layer of a decode step in one C++ op, so its
+    matmuls and attention are not told apart), matmuls, attention, LoRA, or the other ops."""
+    op = name.rsplit("::", 1)[-1]  # without its namespace (loraplex:: holds "lora")
+    if "decode_layers" in op:
+        return "decode steps' layers (one C++ op: linears, attention, norms, LoRA)"
+    if "lora" in op:
+        return "LoRA (shrink, expand, add), outside the decode stack"
+    if "linear" in name or name in ("aten::addmm", "aten::mm", "aten::matmul", "aten::bmm"):
+        return "matmul (prefill's linear layers, the LM head)"
+    if "attention" in name or name in ("aten::index_select", "aten::index_copy_"):
+        return "attention (sdpa, K/V gather and store)"
+    return "other torch ops (norms, rotary, activations, sampling)"
+
+
 def profile_steps(llm: LLM, prompts: list[list[int]], output_len: int) -> dict[str, float]:
     """Where a run's time goes, by category of op (self CPU time, seconds)."""
     from torch.profiler import ProfilerActivity, profile
@@ -97,14 +112,7 @@ def profile_steps(llm: LLM, prompts: list[list[int]], output_len: int) -> dict[s
     wall = time.perf_counter() - start
     categories: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
-        name = event.key
-        if "linear" in name or name in ("aten::addmm", "aten::mm", "aten::matmul", "aten::bmm"):
-            cat = "matmul (linear layers, LM head)"
-        elif "attention" in name or name in ("aten::index_select", "aten::index_copy_"):
-            cat = "attention (sdpa, K/V gather and store)"
-        else:
-            cat = "other torch ops (norms, rotary, activations, sampling)"
-        categories[cat] += event.self_cpu_time_total / 1e6
+        categories[op_category(event.key)] += event.self_cpu_time_total / 1e6
     torch_total = sum(categories.values())
     categories["python + scheduling (wall - torch)"] = max(wall - torch_total, 0.0)
     categories["wall"] = wall
