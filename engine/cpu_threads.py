@@ -10,8 +10,9 @@ Load is read from /proc/stat (every process's busy time) minus /proc/self/stat (
 not used (a neighbour that ran while the server waited for requests is no reason to start the next burst with
 fewer threads). Nor does a neighbour shrink the team unless the team's threads waited for a core meanwhile (their
 schedstat run delay): one that ran on a core the engine left unused (loading its model, a spell of Python) took
-nothing from it, and one of lower priority yields that core the moment the team needs it (a shrink there was for
-good: at one thread the neighbour keeps its core however little it weighs). Elsewhere (no /proc) the team stays as
+nothing from it, and one of lower priority yields most of that core the moment the team needs it. At one thread the
+neighbour keeps the core left to it however little it weighs, so a shrunk team tries its full size again now and
+then, briefly, and keeps it where its threads do not wait (PROBE_S). Elsewhere (no /proc) the team stays as
 configured.
 """
 
@@ -39,9 +40,19 @@ IDLE_BELOW_CORES = 0.5  # an interval in which this process kept less than this 
 # at 30% (0.22) 1.5x. A part-time neighbour (an HTTP client, the benchmark's own) must not halve the team.
 NEIGHBOUR_TAKES_CORE_AT = 0.55
 # Cores' worth of time the process's threads must have spent waiting for a CPU over the interval for a neighbour to
-# shrink the team. Measured on 2 cores (Zen 4, W1): the engine loading its model beside a busy process, 0.00-0.02; a
-# team of 2 beside one of the same priority, ~1.0; beside one at nice 10 (which yields), ~0.2.
-CONTENDED_WAIT_CORES = 0.1
+# shrink the team. Measured on 2 cores (W1 LoRA, a team of 2 held at two beside one busy process): the engine loading
+# its model beside it, 0.00-0.02; the process at nice 10, 0.20-0.21 (Zen 3 and Zen 4), where the team keeps 1.79
+# cores and runs 1.5x as fast as a team of 1; at nice 5, 0.60-0.66 (1.35 cores; a team of 1: 1.2x as fast); at the
+# same priority ~1.0 (a team of 1: 7x as fast).
+CONTENDED_WAIT_CORES = 0.35
+# A team shrunk for a neighbour cannot see whether the neighbour would yield the core back: at one thread nobody
+# waits, and a neighbour of lower priority fills the core left to it. So now and then the team tries its full size
+# for PROBE_S and keeps it if its threads did not wait (the neighbour yields), else shrinks again at once and tries
+# twice as late next time: after PROBE_FIRST_INTERVALS intervals, then 2x, up to PROBE_MAX_INTERVALS. A failed try
+# costs about PROBE_S at the full team beside a neighbour of the same priority, ~1.5% of a run early on, less later.
+PROBE_S = 0.25
+PROBE_FIRST_INTERVALS = 16
+PROBE_MAX_INTERVALS = 128
 
 
 def usable_cores() -> int:
@@ -141,6 +152,11 @@ class ThreadGovernor:
         self.threads = max_threads
         self.others_busy = 0.0  # cores other processes kept busy over the last interval
         self._hinted = False  # the first shrink says what gives the team its cores back
+        self._probing = False  # the team is trying its full size again, for PROBE_S
+        self._probe_every = PROBE_FIRST_INTERVALS  # intervals below the full size before the next try
+        self._below_for = 0  # intervals the team has spent below its full size since its last try
+        self.probes = 0  # tries so far (the ones that kept the full team too)
+        self._shrunk_to = max_threads  # the team's size before the try
         torch.set_num_threads(self.threads)
         try:
             self._last = (self._clock(), *self._read_busy())
@@ -154,13 +170,14 @@ class ThreadGovernor:
         if self._last is not None:
             self._last = (self._clock(), *self._read_busy())
         self._waiting = self._waiting_now()
+        self._probing, self._below_for = False, 0
 
     def tick(self) -> int:
         """Between two steps: resizes the team once per interval; returns the team size."""
         if self._last is None or self.max_threads == 1:
             return self.threads
         now = self._clock()
-        if now - self._last[0] < self.interval_s:
+        if now - self._last[0] < (PROBE_S if self._probing else self.interval_s):
             return self.threads
         machine, own = self._read_busy()
         then, machine_then, own_then = self._last
@@ -178,6 +195,12 @@ class ThreadGovernor:
         waited = None if waiting is None or waiting_then is None else (waiting - waiting_then) / (now - then)
         if threads < self.threads and waited is not None and waited < CONTENDED_WAIT_CORES:
             threads = self.threads  # the neighbour took nothing the team was waiting for
+        if self._probing:
+            return self._end_probe(threads)
+        if threads < self.max_threads and threads >= self.threads:
+            self._below_for += 1
+            if self._below_for >= self._probe_every:
+                return self._start_probe()
         if threads != self.threads:
             logger.info(
                 "cpu threads: %d -> %d (other processes keep %.1f of %d cores busy)",
@@ -195,6 +218,35 @@ class ThreadGovernor:
                 )
             self.threads = threads
             torch.set_num_threads(threads)
+            self._below_for = 0
+            if threads == self.max_threads:
+                self._probe_every = PROBE_FIRST_INTERVALS
+        return self.threads
+
+    def _start_probe(self) -> int:
+        logger.debug("cpu threads: trying %d again for %.2f s", self.max_threads, PROBE_S)
+        self._probing, self._below_for, self._shrunk_to = True, 0, self.threads
+        self.probes += 1
+        self.threads = self.max_threads
+        torch.set_num_threads(self.threads)
+        return self.threads
+
+    def _end_probe(self, threads: int) -> int:
+        """The try's verdict: `threads` is what the usual rule chose after PROBE_S at the full team."""
+        self._probing = False
+        if threads >= self.max_threads:
+            self._probe_every = PROBE_FIRST_INTERVALS
+            logger.info(
+                "cpu threads: %d -> %d (tried again: other processes keep %.1f of %d cores busy, and yield them)",
+                self._shrunk_to,
+                self.max_threads,
+                self.others_busy,
+                self.cores,
+            )
+            return self.threads
+        self._probe_every = min(2 * self._probe_every, PROBE_MAX_INTERVALS)
+        self.threads = threads
+        torch.set_num_threads(threads)
         return self.threads
 
     def _waiting_now(self) -> float | None:

@@ -132,12 +132,64 @@ def test_a_neighbour_on_a_core_the_team_left_unused_does_not_shrink_it():
     assert team.tick() == 2 and team.others_busy == pytest.approx(1.0)
     machine.run(1.0, others=0.2, own=1.8, waiting=0.2)  # a neighbour at nice 10 beside the team: it yields
     assert team.tick() == 2
+    machine.run(1.0, others=0.6, own=1.4, waiting=0.3)  # the same, busier while the team sat in Python: still yields
+    assert team.tick() == 2
+    machine.run(1.0, others=0.65, own=1.35, waiting=0.63)  # at nice 5 (measured): a team of one is faster
+    assert team.tick() == 1
+    machine.run(1.0, others=0.0, own=2.0, waiting=0.0)
+    assert team.tick() == 2
     machine.run(1.0, others=0.64, own=1.36, waiting=1.0)  # one of the same priority: the team waits for it
     assert team.tick() == 1
     machine.run(1.0, others=1.0, own=1.0, waiting=0.0)  # the team of one waits for nothing, and stays one
     assert team.tick() == 1
     machine.run(1.0, others=0.0, own=2.0, waiting=0.0)  # the neighbour gone: the team grows back
     assert team.tick() == 2
+
+
+def shrink_beside_a_neighbour_of_the_same_priority(machine: FakeMachine, team: ThreadGovernor) -> None:
+    machine.run(1.0, others=0.64, own=1.36, waiting=1.0)
+    assert team.tick() == 1
+
+
+def test_a_shrunk_team_tries_its_full_size_again_and_keeps_it_beside_a_neighbour_that_yields(caplog):
+    """At one thread a neighbour of lower priority fills the core left to it, and nobody waits: only a try at two
+    threads shows that it yields the core."""
+    machine = FakeMachine()
+    team = governor(machine, max_threads=2, cores=2)
+    shrink_beside_a_neighbour_of_the_same_priority(machine, team)
+    for _ in range(cpu_threads.PROBE_FIRST_INTERVALS - 1):  # the neighbour, reniced to 10, fills the free core
+        machine.run(1.0, others=1.0, own=1.0, waiting=0.0)
+        assert team.tick() == 1
+    machine.run(1.0, others=1.0, own=1.0, waiting=0.0)
+    assert team.tick() == 2 and torch.get_num_threads() == 2 and team.probes == 1  # the try
+    machine.run(cpu_threads.PROBE_S / 2, others=0.2, own=1.8, waiting=0.2)
+    assert team.tick() == 2  # not decided before PROBE_S
+    with caplog.at_level("INFO", logger="engine.cpu_threads"):
+        machine.run(cpu_threads.PROBE_S / 2, others=0.2, own=1.8, waiting=0.2)  # measured at nice 10: 0.20-0.21
+        assert team.tick() == 2
+    assert any("1 -> 2 (tried again" in r.getMessage() for r in caplog.records)
+    for _ in range(3 * cpu_threads.PROBE_MAX_INTERVALS):  # kept: the usual one-second intervals, no more tries
+        machine.run(1.0, others=0.2, own=1.8, waiting=0.2)
+        assert team.tick() == 2
+    assert team.probes == 1
+
+
+def test_a_try_beside_a_neighbour_of_the_same_priority_shrinks_at_once_and_the_next_comes_twice_as_late():
+    machine = FakeMachine()
+    team = governor(machine, max_threads=2, cores=2)
+    shrink_beside_a_neighbour_of_the_same_priority(machine, team)
+    tries = []
+    for second in range(1, 1000):
+        machine.run(1.0, others=1.0, own=1.0, waiting=0.0)
+        if team.tick() == 2:  # a try: the neighbour takes its share back, and the team's threads wait for it
+            tries.append(second)
+            machine.run(cpu_threads.PROBE_S, others=0.64, own=1.36, waiting=1.0)
+            assert team.tick() == 1 and torch.get_num_threads() == 1
+    waits = [b - a for a, b in zip([0, *tries], tries)]
+    first, most = cpu_threads.PROBE_FIRST_INTERVALS, cpu_threads.PROBE_MAX_INTERVALS
+    assert waits[:4] == [first, 2 * first, 4 * first, 8 * first] and most == 8 * first
+    assert set(waits[3:]) == {most}  # at most one try every PROBE_MAX_INTERVALS
+    assert team.probes == len(tries)
 
 
 def test_a_restart_leaves_the_start_up_out_of_the_first_interval():
