@@ -51,18 +51,23 @@ def main(argv: list[str] | None = None) -> dict:
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         return elapsed, cpu, sum(len(o.outputs[0].token_ids) for o in outputs)
 
+    governor = llm.engine.thread_governor  # None where the team is fixed
     run(workload["warmup"])
-    walls, cpus, tokens = [], [], 0
+    walls, cpus, teams, tokens = [], [], [], 0
     for requests in workload["runs"]:
+        sizes_before = len(governor.sizes) if governor else 0
         elapsed, cpu, tokens = run(requests)
         walls.append(elapsed)
         cpus.append(cpu)
+        if governor:  # the team's sizes through the run: the one it started with, then each change
+            teams.append(governor.sizes[max(0, sizes_before - 1) :])
     result = {
         "system": "loraplex",
         "mode": "lora" if use_lora else "base",
         "threads": llm.engine.config.cpu_threads,
         "walls_s": walls,
         "cpu_s": cpus,  # each run's CPU time, every thread of this process (user + system)
+        "team_sizes": teams,  # each run's OpenMP team sizes, in order ([] where the team is fixed)
         "output_tokens": tokens,
     }
     print(json.dumps(result), flush=True)

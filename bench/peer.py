@@ -253,6 +253,8 @@ def run_driver(command: list, env: dict, system: str, mode: str) -> dict:
     result["wall_s"] = statistics.median(result["walls_s"])
     result["output_tok_s"] = result["output_tokens"] / result["wall_s"]
     print(f"    {result['output_tok_s']:.1f} tok/s (runs {', '.join(f'{w:.2f}' for w in result['walls_s'])} s)")
+    if any(len(sizes) > 1 for sizes in result.get("team_sizes", [])):  # the governor resized the team mid-run
+        print(f"    cpu threads by run: {', '.join(' -> '.join(map(str, sizes)) for sizes in result['team_sizes'])}")
     return result
 
 

@@ -157,6 +157,7 @@ class ThreadGovernor:
         self._below_for = 0  # intervals the team has spent below its full size since its last try
         self.probes = 0  # tries so far (the ones that kept the full team too)
         self._shrunk_to = max_threads  # the team's size before the try
+        self.sizes = [max_threads]  # every size the team has had, in order (tries included)
         torch.set_num_threads(self.threads)
         try:
             self._last = (self._clock(), *self._read_busy())
@@ -216,8 +217,7 @@ class ThreadGovernor:
                     "session or cgroup), whatever the team's size; to keep more, lower its priority (nice) or raise "
                     "this server's CPU weight (systemd CPUWeight=, a Kubernetes CPU request)"
                 )
-            self.threads = threads
-            torch.set_num_threads(threads)
+            self._resize(threads)
             self._below_for = 0
             if threads == self.max_threads:
                 self._probe_every = PROBE_FIRST_INTERVALS
@@ -227,9 +227,7 @@ class ThreadGovernor:
         logger.debug("cpu threads: trying %d again for %.2f s", self.max_threads, PROBE_S)
         self._probing, self._below_for, self._shrunk_to = True, 0, self.threads
         self.probes += 1
-        self.threads = self.max_threads
-        torch.set_num_threads(self.threads)
-        return self.threads
+        return self._resize(self.max_threads)
 
     def _end_probe(self, threads: int) -> int:
         """The try's verdict: `threads` is what the usual rule chose after PROBE_S at the full team."""
@@ -245,9 +243,14 @@ class ThreadGovernor:
             )
             return self.threads
         self._probe_every = min(2 * self._probe_every, PROBE_MAX_INTERVALS)
+        return self._resize(threads)
+
+    def _resize(self, threads: int) -> int:
+        if threads != self.threads:
+            self.sizes.append(threads)
         self.threads = threads
         torch.set_num_threads(threads)
-        return self.threads
+        return threads
 
     def _waiting_now(self) -> float | None:
         try:

@@ -135,6 +135,7 @@ def test_loraplex_driver_runs_every_run_with_its_adapters(workload_file, capsys)
     assert len(result["walls_s"]) == 2 and all(w > 0 for w in result["walls_s"])
     assert result["output_tokens"] == 5 * 4
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    assert result["team_sizes"] == [[1], [1]]  # each timed run's team sizes (a team of one never resizes)
     base_only = offline_driver.main(["--workload", str(workload_file), "--threads", "1", "--no-lora"])
     assert base_only["mode"] == "base" and base_only["output_tokens"] == 20
 
@@ -172,6 +173,23 @@ def peer_argv(model, tmp_path: Path, monkeypatch) -> list[str]:
     base, adapters = model
     argv = ["--model", str(base), *(f"--lora={n}={p}" for n, p in adapters), "--vllm-venv", str(venv)]
     return [*argv, "--num-prompts", "3", "--input-len", "8", "--output-len", "3", "--runs", "1", "--threads", "1"]
+
+
+def test_a_driver_run_whose_team_was_resized_says_so(monkeypatch, capsys):
+    result = {"walls_s": [2.0, 3.0], "output_tokens": 64, "team_sizes": [[2], [2, 1, 2]]}
+    done = subprocess.CompletedProcess([], 0, json.dumps(result) + "\n", "")
+    monkeypatch.setattr(peer, "run_in_group", lambda *a, **k: done)
+    peer.run_driver(["driver"], {}, "loraplex", "lora")
+    assert "cpu threads by run: 2, 2 -> 1 -> 2" in capsys.readouterr().out
+    monkeypatch.setattr(
+        peer,
+        "run_in_group",
+        lambda *a, **k: subprocess.CompletedProcess(
+            [], 0, '{"walls_s": [1.0], "output_tokens": 8, "team_sizes": [[2]]}', ""
+        ),
+    )
+    peer.run_driver(["driver"], {}, "loraplex", "lora")
+    assert "cpu threads" not in capsys.readouterr().out  # unchanged: nothing to say
 
 
 def test_peer_compares_both_systems_mode_by_mode_as_ratios(model, tmp_path, monkeypatch):

@@ -171,7 +171,7 @@ def test_a_shrunk_team_tries_its_full_size_again_and_keeps_it_beside_a_neighbour
     for _ in range(3 * cpu_threads.PROBE_MAX_INTERVALS):  # kept: the usual one-second intervals, no more tries
         machine.run(1.0, others=0.2, own=1.8, waiting=0.2)
         assert team.tick() == 2
-    assert team.probes == 1
+    assert team.probes == 1 and team.sizes == [2, 1, 2]
 
 
 def test_a_try_beside_a_neighbour_of_the_same_priority_shrinks_at_once_and_the_next_comes_twice_as_late():
@@ -189,7 +189,7 @@ def test_a_try_beside_a_neighbour_of_the_same_priority_shrinks_at_once_and_the_n
     first, most = cpu_threads.PROBE_FIRST_INTERVALS, cpu_threads.PROBE_MAX_INTERVALS
     assert waits[:4] == [first, 2 * first, 4 * first, 8 * first] and most == 8 * first
     assert set(waits[3:]) == {most}  # at most one try every PROBE_MAX_INTERVALS
-    assert team.probes == len(tries)
+    assert team.probes == len(tries) and team.sizes == [2, 1] + [2, 1] * len(tries)
 
 
 def test_a_restart_leaves_the_start_up_out_of_the_first_interval():
@@ -247,11 +247,14 @@ def test_real_busy_neighbours_on_every_core_leave_a_team_of_one():
     cores = usable_cores()
     machine_before, own_before = busy_seconds()
     team = ThreadGovernor(max(2, cores), interval_s=0.5)
+    x = torch.randn(192, 192)
     with background_load(cores):
-        # within a few intervals (a VM's host may hold the spinners back in one); busy too meanwhile: an interval
-        # this process spent idle is not used
+        # within a few intervals (a VM's host may hold the spinners back in one); the team busy meanwhile, as an
+        # engine's between its ticks: an interval this process spent idle is not used, nor one its threads spent
+        # without waiting for a core
         threads, deadline = team.threads, time.monotonic() + 5.0
         while (threads != 1 or team.others_busy < 0.5 * cores) and time.monotonic() < deadline:
+            torch.mm(x, x)
             threads = team.tick()
         assert threads == 1
         assert team.others_busy >= 0.5 * cores
