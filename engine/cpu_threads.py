@@ -49,7 +49,8 @@ CONTENDED_WAIT_CORES = 0.35
 # waits, and a neighbour of lower priority fills the core left to it. So now and then the team tries its full size
 # for PROBE_S and keeps it if its threads did not wait (the neighbour yields), else shrinks again at once and tries
 # twice as late next time: after PROBE_FIRST_INTERVALS intervals, then 2x, up to PROBE_MAX_INTERVALS. A failed try
-# costs about PROBE_S at the full team beside a neighbour of the same priority, ~1.5% of a run early on, less later.
+# costs PROBE_S and the step in flight when it ends, run by the full team beside a neighbour of the same priority
+# (a decode step there ~8x slower than at one thread): ~0.5 s a try on W1; paired runs showed no cost (Zen 3).
 PROBE_S = 0.25
 PROBE_FIRST_INTERVALS = 16
 PROBE_MAX_INTERVALS = 128
