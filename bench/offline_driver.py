@@ -55,12 +55,12 @@ def main(argv: list[str] | None = None) -> dict:
     run(workload["warmup"])
     walls, cpus, teams, tokens = [], [], [], 0
     for requests in workload["runs"]:
-        sizes_before = len(governor.sizes) if governor else 0
+        resizes_before = governor.resizes if governor else 0
         elapsed, cpu, tokens = run(requests)
         walls.append(elapsed)
         cpus.append(cpu)
         if governor:  # the team's sizes through the run: the one it started with, then each change
-            teams.append(governor.sizes[max(0, sizes_before - 1) :])
+            teams.append(list(governor.sizes)[-(governor.resizes - resizes_before + 1) :])
     result = {
         "system": "loraplex",
         "mode": "lora" if use_lora else "base",

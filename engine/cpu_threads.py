@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,6 +55,7 @@ CONTENDED_WAIT_CORES = 0.35
 PROBE_S = 0.25
 PROBE_FIRST_INTERVALS = 16
 PROBE_MAX_INTERVALS = 128
+SIZES_KEPT = 256  # the team sizes a governor remembers (a server beside a part-time neighbour may resize for months)
 
 
 def usable_cores() -> int:
@@ -158,7 +160,8 @@ class ThreadGovernor:
         self._below_for = 0  # intervals the team has spent below its full size since its last try
         self.probes = 0  # tries so far (the ones that kept the full team too)
         self._shrunk_to = max_threads  # the team's size before the try
-        self.sizes = [max_threads]  # every size the team has had, in order (tries included)
+        self.sizes: deque[int] = deque([max_threads], maxlen=SIZES_KEPT)  # its latest sizes, in order (tries too)
+        self.resizes = 0  # changes of size so far: with `sizes`, which sizes a span of steps ran with
         torch.set_num_threads(self.threads)
         try:
             self._last = (self._clock(), *self._read_busy())
@@ -249,6 +252,7 @@ class ThreadGovernor:
     def _resize(self, threads: int) -> int:
         if threads != self.threads:
             self.sizes.append(threads)
+            self.resizes += 1
         self.threads = threads
         torch.set_num_threads(threads)
         return threads

@@ -171,7 +171,7 @@ def test_a_shrunk_team_tries_its_full_size_again_and_keeps_it_beside_a_neighbour
     for _ in range(3 * cpu_threads.PROBE_MAX_INTERVALS):  # kept: the usual one-second intervals, no more tries
         machine.run(1.0, others=0.2, own=1.8, waiting=0.2)
         assert team.tick() == 2
-    assert team.probes == 1 and team.sizes == [2, 1, 2]
+    assert team.probes == 1 and list(team.sizes) == [2, 1, 2] and team.resizes == 2
 
 
 def test_a_try_beside_a_neighbour_of_the_same_priority_shrinks_at_once_and_the_next_comes_twice_as_late():
@@ -189,7 +189,20 @@ def test_a_try_beside_a_neighbour_of_the_same_priority_shrinks_at_once_and_the_n
     first, most = cpu_threads.PROBE_FIRST_INTERVALS, cpu_threads.PROBE_MAX_INTERVALS
     assert waits[:4] == [first, 2 * first, 4 * first, 8 * first] and most == 8 * first
     assert set(waits[3:]) == {most}  # at most one try every PROBE_MAX_INTERVALS
-    assert team.probes == len(tries) and team.sizes == [2, 1] + [2, 1] * len(tries)
+    assert team.probes == len(tries) and team.resizes == 1 + 2 * len(tries)
+    assert list(team.sizes) == [2, 1] + [2, 1] * len(tries)
+
+
+def test_the_team_remembers_its_latest_sizes_and_counts_every_resize():
+    """A server beside a neighbour that comes and goes resizes for as long as it runs: the history stays bounded."""
+    machine = FakeMachine()
+    team = governor(machine, max_threads=2, cores=2)
+    for second in range(3 * cpu_threads.SIZES_KEPT):
+        others = 1.0 if second % 2 == 0 else 0.0  # here one second, gone the next
+        machine.run(1.0, others=others, own=2.0 - others, waiting=others)
+        assert team.tick() == (1 if others else 2)
+    assert team.resizes == 3 * cpu_threads.SIZES_KEPT
+    assert list(team.sizes) == [1, 2] * (cpu_threads.SIZES_KEPT // 2)  # the latest SIZES_KEPT, oldest first
 
 
 def test_a_restart_leaves_the_start_up_out_of_the_first_interval():
