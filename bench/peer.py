@@ -6,6 +6,7 @@
                         [--max-loras 16 --max-cpu-loras 32]      (fewer adapter rows than adapters)
                         [--dtype bfloat16]                       (both engines; float32 by default)
                         [--pairs 3]                              (loraplex's paired LoRA / base; 0: none)
+                        [--turns 4]                              (loraplex / vLLM from runs taking turns; 0: none)
     loraplex bench peer --demo [...]      (the embedded demo's SmolLM2, as an HF directory, and its adapters)
 
 Default workload (W1 of ../shared/peers): the random 56M Llama of `bench engine`, K=8 random rank-8 adapters on
@@ -22,6 +23,9 @@ vLLM is never installed here: without --vllm-venv only loraplex runs.
 Then loraplex's own LoRA / base once more, from --pairs pairs of one-run processes, base and LoRA back to back (the
 first of each pair taking turns), the median of the pairs' ratios: the mode-by-mode runs lie minutes apart, and on a
 host whose speed drifts by 20% in minutes their ratio read 0.78 where pairs read 0.98 (2026-11-27, Zen 3).
+With --turns N, each mode's loraplex / vLLM once more from N rounds of one-run processes of both systems, the first
+of each round taking turns, the median of the rounds' ratios: on a host whose speed drifted by half in minutes
+(2026-11-28, Intel Xeon with AMX) two `bench peer` runs read W1's base at 1.68x and 0.95x, rounds at 1.16-1.32x.
 """
 
 from __future__ import annotations
@@ -85,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--pairs", type=int, default=3, help="loraplex base / LoRA pairs of one-run processes (%(default)s; 0: none)"
     )
+    parser.add_argument(
+        "--turns", type=int, default=0, help="rounds of loraplex and vLLM taking turns, per mode (%(default)s: none)"
+    )
     parser.add_argument("--skip-loraplex", action="store_true", help="vLLM only")
     parser.add_argument("--json", type=Path, default=Path("bench-results/peer.json"))
     return parser
@@ -107,8 +114,10 @@ def compare(args: argparse.Namespace) -> dict:
     vllm_python = vllm_interpreter(args.vllm_venv) if args.vllm_venv else None
     if any(n is not None and n < 1 for n in (args.max_loras, args.max_cpu_loras)):
         raise BenchError("--max-loras and --max-cpu-loras must be positive")
-    if args.pairs < 0:
-        raise BenchError(f"--pairs must be 0 or more, got {args.pairs}")
+    if args.pairs < 0 or args.turns < 0:
+        raise BenchError(f"--pairs and --turns must be 0 or more, got {args.pairs} and {args.turns}")
+    if args.turns and (vllm_python is None or args.skip_loraplex):
+        raise BenchError("--turns has loraplex and vLLM take turns: it needs --vllm-venv and loraplex's runs")
     try:  # before the model is built: a bad setting fails at once
         check_background_load(args.background_load, args.background_duty, args.background_nice)
     except ValueError as e:
@@ -125,6 +134,7 @@ def compare(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
     )
     pairs: list[dict[str, float]] = []
+    turns: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="loraplex-peer-") as tmp:
         model, adapters, rank = prepare_model(args, Path(tmp))
         workload_file = workload.write(Path(tmp) / "workload.json", model, adapters, rank)
@@ -132,10 +142,12 @@ def compare(args: argparse.Namespace) -> dict:
         idle_results = run_modes(modes, args, workload_file, vllm_python) if args.versus_idle else []
         with background_load(args.background_load, args.background_duty, args.background_nice):
             results = run_modes(modes, args, workload_file, vllm_python)
+            pair_file = replace(workload, runs=1).write(Path(tmp) / "pair-workload.json", model, adapters, rank)
             if not args.skip_loraplex and set(modes) == set(MODES) and adapters:
-                pair_file = replace(workload, runs=1).write(Path(tmp) / "pair-workload.json", model, adapters, rank)
                 pairs = run_pairs(pair_file, args)
-    summary = summarize(results, args, workload, pairs, idle_results)
+            if args.turns:
+                turns = run_turns(modes, pair_file, args, vllm_python)
+    summary = summarize(results, args, workload, pairs, idle_results, turns)
     summary["busy_before"] = busy_before
     print_summary(summary)
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -222,6 +234,22 @@ def run_pairs(pair_file: Path, args: argparse.Namespace) -> list[dict[str, float
     return pairs
 
 
+def run_turns(modes: list[str], pair_file: Path, args: argparse.Namespace, vllm_python: Path) -> list[dict]:
+    """--turns rounds per mode of one-run processes of loraplex and vLLM, the first of each round taking turns:
+    [{"mode": mode, "loraplex": output tok/s, "vllm": output tok/s}] per round."""
+    turns = []
+    for mode in modes:
+        for i in range(args.turns):
+            runs = {}
+            for system in ("loraplex", "vllm") if i % 2 == 0 else ("vllm", "loraplex"):
+                if system == "loraplex":
+                    runs[system] = run_loraplex(pair_file, mode, args.threads, args.fixed_threads)
+                else:
+                    runs[system] = run_vllm(vllm_python, args, pair_file, mode)
+            turns.append({"mode": mode, **{system: run["output_tok_s"] for system, run in runs.items()}})
+    return turns
+
+
 def run_vllm(python: Path, args: argparse.Namespace, workload_file: Path, mode: str) -> dict:
     command = [str(python), str(REPO_ROOT / "bench" / "vllm_driver.py"), "--workload", str(workload_file)]
     command += ["--threads-bind", f"0-{args.threads - 1}" if args.threads > 1 else "0"]
@@ -264,6 +292,7 @@ def summarize(
     workload: PeerWorkload,
     pairs: Sequence[dict[str, float]] = (),
     idle_results: Sequence[dict] = (),
+    turns: Sequence[dict] = (),
 ) -> dict:
     """`results` beside the busy processes (if any); `idle_results` the same runs on the idle machine before them."""
     tok_s = {(r["system_name"], r["mode"]): r["output_tok_s"] for r in results}
@@ -276,6 +305,10 @@ def summarize(
             ratios[f"{system} lora/base"] = tok_s[system, "lora"] / tok_s[system, "base"]
     if pairs:
         ratios[PAIRED] = statistics.median(pair["lora"] / pair["base"] for pair in pairs)
+    for mode in MODES:
+        rounds = [turn for turn in turns if turn["mode"] == mode]
+        if rounds:
+            ratios[taking_turns(mode)] = statistics.median(turn["loraplex"] / turn["vllm"] for turn in rounds)
     for r in idle_results:
         key = (r["system_name"], r["mode"])
         if key in tok_s:
@@ -292,6 +325,7 @@ def summarize(
         "results": results,
         "idle_results": list(idle_results),  # with --versus-idle: the same runs before the busy processes started
         "pairs": list(pairs),  # [{mode: output tok/s}]: loraplex's base and LoRA runs back to back
+        "turns": list(turns),  # [{"mode", "loraplex", "vllm"}]: one-run processes of both systems taking turns
         "ratios": ratios,
     }
 
@@ -309,10 +343,19 @@ def print_summary(summary: dict) -> None:
     for r in summary.get("idle_results", []):
         print(f"{r['system_name']:<12}{r['mode']:<6}{r['output_tok_s']:>10.1f}{r['wall_s']:>10.2f}  idle")
     for name, value in summary["ratios"].items():
-        print(f"{name:<32}{value:>6.2f}")
+        print(f"{name:<34}{value:>6.2f}")
     if summary["pairs"]:
         ratios = ", ".join(f"{p['lora']:.1f}/{p['base']:.1f}" for p in summary["pairs"])
         print(f"  {PAIRED}: the median of lora/base tok/s {ratios}")
+    for mode in MODES:
+        rounds = [turn for turn in summary.get("turns", []) if turn["mode"] == mode]
+        if rounds:
+            ratios = ", ".join(f"{turn['loraplex']:.1f}/{turn['vllm']:.1f}" for turn in rounds)
+            print(f"  {taking_turns(mode)}: the median of loraplex/vllm tok/s {ratios}")
+
+
+def taking_turns(mode: str) -> str:
+    return f"loraplex/vllm {mode} (taking turns)"
 
 
 if __name__ == "__main__":

@@ -265,6 +265,55 @@ def test_pairs_take_turns_going_first_and_their_median_ratio_counts(monkeypatch,
     assert summary["ratios"] == {"loraplex lora/base (paired)": pytest.approx(0.8)}  # of 0.9, 0.8 and 0.5
 
 
+def test_turns_alternate_which_system_goes_first_and_their_median_ratio_counts(monkeypatch, tmp_path, capsys):
+    speeds = iter([120.0, 100.0, 80.0, 100.0, 130.0, 100.0, 90.0, 30.0])  # tok/s of each run, in the order they start
+    started = []
+
+    def run_loraplex(workload_file, mode, threads, fixed_threads):
+        started.append(("loraplex", mode))
+        return {"output_tok_s": next(speeds)}
+
+    def run_vllm(python, args, workload_file, mode):
+        started.append(("vllm", mode))
+        return {"output_tok_s": next(speeds)}
+
+    monkeypatch.setattr(peer, "run_loraplex", run_loraplex)
+    monkeypatch.setattr(peer, "run_vllm", run_vllm)
+    args = peer.build_parser().parse_args(["--turns", "2", "--threads", "1"])
+    turns = peer.run_turns(["base", "lora"], tmp_path / "pair-workload.json", args, Path("python"))
+    first_loraplex, first_vllm = ["loraplex", "vllm"], ["vllm", "loraplex"]
+    assert started == [(system, mode) for mode in ("base", "lora") for system in first_loraplex + first_vllm]
+    assert turns == [
+        {"mode": "base", "loraplex": 120.0, "vllm": 100.0},
+        {"mode": "base", "loraplex": 100.0, "vllm": 80.0},
+        {"mode": "lora", "loraplex": 130.0, "vllm": 100.0},
+        {"mode": "lora", "loraplex": 30.0, "vllm": 90.0},
+    ]
+    summary = peer.summarize([], args, PeerWorkload(1, 1, 1, 1), turns=turns)
+    assert summary["ratios"] == {
+        "loraplex/vllm base (taking turns)": pytest.approx((1.2 + 1.25) / 2),
+        "loraplex/vllm lora (taking turns)": pytest.approx((1.3 + 1 / 3) / 2),
+    }
+    peer.print_summary(summary)
+    assert "loraplex/vllm base (taking turns): the median of loraplex/vllm tok/s 120.0/100.0, 100.0/80.0" in (
+        capsys.readouterr().out
+    )
+
+
+def test_peer_with_turns_runs_both_systems_once_more_per_round_after_the_mode_runs(model, tmp_path, monkeypatch):
+    argv = peer_argv(model, tmp_path, monkeypatch)
+    drivers = []
+    run_driver = peer.run_driver
+    monkeypatch.setattr(peer, "run_driver", lambda *a: drivers.append(a[2:]) or run_driver(*a))
+    summary = peer.main([*argv, "--modes", "base", "--turns", "2", "--json", str(tmp_path / "peer.json")])
+    assert drivers == [("loraplex", "base"), ("vllm", "base")] * 2 + [("vllm", "base"), ("loraplex", "base")]
+    assert [turn["mode"] for turn in summary["turns"]] == ["base", "base"]
+    assert all(turn["loraplex"] > 0 and turn["vllm"] > 0 for turn in summary["turns"])
+    assert "loraplex/vllm base (taking turns)" in summary["ratios"]
+    with pytest.raises(SystemExit, match="--turns has loraplex and vLLM take turns"):
+        peer.main([*argv, "--turns", "2", "--skip-loraplex"])
+
+
 def test_peer_names_a_venv_without_vllm_and_bad_modes(tmp_path):
     with pytest.raises(BenchError, match="no bin/python"):
         peer.vllm_interpreter(tmp_path)
@@ -274,8 +323,10 @@ def test_peer_names_a_venv_without_vllm_and_bad_modes(tmp_path):
         peer.vllm_interpreter(tmp_path)
     with pytest.raises(SystemExit, match="--modes takes base and lora"):
         peer.main(["--modes", "fast"])
-    with pytest.raises(SystemExit, match="--pairs must be 0 or more, got -1"):
+    with pytest.raises(SystemExit, match="--pairs and --turns must be 0 or more, got -1 and 0"):
         peer.main(["--pairs", "-1"])
+    with pytest.raises(SystemExit, match="--turns has loraplex and vLLM take turns: it needs --vllm-venv"):
+        peer.main(["--turns", "2"])
     with pytest.raises(SystemExit, match=r"background load nice must be in .* got 25"):
         peer.main(["--background-load", "1", "--background-nice", "25"])
 
