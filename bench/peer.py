@@ -142,11 +142,11 @@ def compare(args: argparse.Namespace) -> dict:
         idle_results = run_modes(modes, args, workload_file, vllm_python) if args.versus_idle else []
         with background_load(args.background_load, args.background_duty, args.background_nice):
             results = run_modes(modes, args, workload_file, vllm_python)
-            pair_file = replace(workload, runs=1).write(Path(tmp) / "pair-workload.json", model, adapters, rank)
-            if not args.skip_loraplex and set(modes) == set(MODES) and adapters:
-                pairs = run_pairs(pair_file, args)
-            if args.turns:
-                turns = run_turns(modes, pair_file, args, vllm_python)
+            paired = not args.skip_loraplex and set(modes) == set(MODES) and bool(adapters)
+            if paired or args.turns:
+                pair_file = replace(workload, runs=1).write(Path(tmp) / "pair-workload.json", model, adapters, rank)
+                pairs = run_pairs(pair_file, args) if paired else []
+                turns = run_turns(modes, pair_file, args, vllm_python) if args.turns else []
     summary = summarize(results, args, workload, pairs, idle_results, turns)
     summary["busy_before"] = busy_before
     print_summary(summary)
@@ -237,17 +237,23 @@ def run_pairs(pair_file: Path, args: argparse.Namespace) -> list[dict[str, float
 def run_turns(modes: list[str], pair_file: Path, args: argparse.Namespace, vllm_python: Path) -> list[dict]:
     """--turns rounds per mode of one-run processes of loraplex and vLLM, the first of each round taking turns:
     [{"mode": mode, "loraplex": output tok/s, "vllm": output tok/s}] per round."""
+
+    def run_one(system: str, mode: str) -> float:
+        if system == "loraplex":
+            return run_loraplex(pair_file, mode, args.threads, args.fixed_threads)["output_tok_s"]
+        return run_vllm(vllm_python, args, pair_file, mode)["output_tok_s"]
+
     turns = []
     for mode in modes:
         for i in range(args.turns):
-            runs = {}
-            for system in ("loraplex", "vllm") if i % 2 == 0 else ("vllm", "loraplex"):
-                if system == "loraplex":
-                    runs[system] = run_loraplex(pair_file, mode, args.threads, args.fixed_threads)
-                else:
-                    runs[system] = run_vllm(vllm_python, args, pair_file, mode)
-            turns.append({"mode": mode, **{system: run["output_tok_s"] for system, run in runs.items()}})
+            order = ("loraplex", "vllm") if i % 2 == 0 else ("vllm", "loraplex")
+            turns.append({"mode": mode, **{system: run_one(system, mode) for system in order}})
     return turns
+
+
+def turns_by_mode(turns: Sequence[dict]) -> dict[str, list[dict]]:
+    """The --turns rounds of each mode that has any, in mode order."""
+    return {mode: rounds for mode in MODES if (rounds := [turn for turn in turns if turn["mode"] == mode])}
 
 
 def run_vllm(python: Path, args: argparse.Namespace, workload_file: Path, mode: str) -> dict:
@@ -305,10 +311,8 @@ def summarize(
             ratios[f"{system} lora/base"] = tok_s[system, "lora"] / tok_s[system, "base"]
     if pairs:
         ratios[PAIRED] = statistics.median(pair["lora"] / pair["base"] for pair in pairs)
-    for mode in MODES:
-        rounds = [turn for turn in turns if turn["mode"] == mode]
-        if rounds:
-            ratios[taking_turns(mode)] = statistics.median(turn["loraplex"] / turn["vllm"] for turn in rounds)
+    for mode, rounds in turns_by_mode(turns).items():
+        ratios[taking_turns(mode)] = statistics.median(turn["loraplex"] / turn["vllm"] for turn in rounds)
     for r in idle_results:
         key = (r["system_name"], r["mode"])
         if key in tok_s:
@@ -347,11 +351,9 @@ def print_summary(summary: dict) -> None:
     if summary["pairs"]:
         ratios = ", ".join(f"{p['lora']:.1f}/{p['base']:.1f}" for p in summary["pairs"])
         print(f"  {PAIRED}: the median of lora/base tok/s {ratios}")
-    for mode in MODES:
-        rounds = [turn for turn in summary.get("turns", []) if turn["mode"] == mode]
-        if rounds:
-            ratios = ", ".join(f"{turn['loraplex']:.1f}/{turn['vllm']:.1f}" for turn in rounds)
-            print(f"  {taking_turns(mode)}: the median of loraplex/vllm tok/s {ratios}")
+    for mode, rounds in turns_by_mode(summary.get("turns", [])).items():
+        ratios = ", ".join(f"{turn['loraplex']:.1f}/{turn['vllm']:.1f}" for turn in rounds)
+        print(f"  {taking_turns(mode)}: the median of loraplex/vllm tok/s {ratios}")
 
 
 def taking_turns(mode: str) -> str:
