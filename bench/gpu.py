@@ -20,9 +20,6 @@ engine     W1 of ../shared/peers (the random 56M Llama, 64 requests of 128 promp
            engine's default is; --eager also runs both with enforce_eager; --unfused also runs LoRA with no layer
            in one launch (shrink, then expand: what fusing gains); --models w1 or 1b runs one model only; steps take
            the engine's default budget (8192 tokens on CUDA) unless --max-num-batched-tokens says otherwise.
-           --detokenize makes the requests detokenize, as a server's do (W1's do not); --inline-output also runs
-           base and LoRA with async_output off (each step's text and outputs built after it, not while the next
-           one runs on the device).
 
 --sweep also times the kernels under several launch settings (key tile, warps, pipeline stages, split-decode
 partition) and prints the best, to choose the modules' defaults. Kernel times are Triton's do_bench medians
@@ -459,14 +456,11 @@ def engine_rows(
     unfused: bool = False,
     keys: tuple[str, ...] = ENGINE_MODELS,
     graph_variants: bool = False,
-    detokenize: bool = False,
-    inline_output: bool = False,
 ) -> list[dict]:
     """W1 and a bigger random Llama through the offline LLM on the device, base and LoRA (decode steps as CUDA
     graphs; with `eager`, also both with enforce_eager; with `unfused`, also LoRA with no layer in one launch, built
     and run under FUSE_MAX_REPEATED_K 0; with `graph_variants`, also LoRA with its graphs recorded "serial" and
-    "plain", lora_linear.GRAPH_LORA; with `inline_output`, also base and LoRA with async_output off; `detokenize`:
-    the requests detokenize). `keys`: which of ENGINE_MODELS. Each mode's engine is built up front and their
+    "plain", lora_linear.GRAPH_LORA). `keys`: which of ENGINE_MODELS. Each mode's engine is built up front and their
     runs interleave (base, LoRA, base, LoRA...), so that a slow spell of a shared host falls on every mode alike; a
     ratio is the median of the runs' pairwise ratios."""
     import tempfile
@@ -483,7 +477,6 @@ def engine_rows(
     modes = ("base", "lora", "base-eager", "lora-eager") if eager else ("base", "lora")
     modes += ("lora-unfused",) if unfused else ()
     modes += ("lora-graph-serial", "lora-graph-plain") if graph_variants else ()
-    modes += ("base-inline", "lora-inline") if inline_output else ()
     rows = []
     for name, config, num_prompts, input_len, output_len, num_adapters, rank in models:
         with tempfile.TemporaryDirectory() as tmp:
@@ -498,7 +491,7 @@ def engine_rows(
             row["max_num_batched_tokens"] = llms[modes[0]].engine.config.max_num_batched_tokens
             print(f"engine {name}: steps of up to {row['max_num_batched_tokens']} tokens", flush=True)
             gen = torch.Generator().manual_seed(1)
-            params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=detokenize)
+            params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
             loras = [adapters[i % len(adapters)] for i in range(num_prompts)]  # the LoRA modes' requests
             walls: dict[str, list[float]] = {mode: [] for mode in modes}
             step_walls: dict[str, dict[str, list[float]]] = {mode: {} for mode in modes}  # mode -> kind -> runs
@@ -538,12 +531,6 @@ def engine_rows(
                 if "graph-" in mode:
                     row[f"{mode}_over_lora"] = paired_ratio(walls[mode], walls["lora"])
                     print(f"engine {name}: {mode} / lora (branched graphs): {row[f'{mode}_over_lora']:.3f}", flush=True)
-            if inline_output:
-                row["inline_lora_over_base"] = paired_ratio(walls["lora-inline"], walls["base-inline"])
-                row["async_over_inline"] = {m: paired_ratio(walls[m], walls[f"{m}-inline"]) for m in ("base", "lora")}
-                print(f"engine {name}: with async_output off, LoRA / base {row['inline_lora_over_base']:.2f}; async / "
-                      f"inline: base {row['async_over_inline']['base']:.2f}, LoRA "
-                      f"{row['async_over_inline']['lora']:.2f}", flush=True)  # fmt: skip
             if eager:
                 row["eager_lora_over_base"] = paired_ratio(walls["lora-eager"], walls["base-eager"])
                 print(f"engine {name}: eager LoRA / base {row['eager_lora_over_base']:.2f}; graphs / eager: base "
@@ -614,7 +601,6 @@ def make_llm(model_dir, num_adapters, device, dtype_name, mode, max_model_len, n
         max_cpu_loras=max(1, num_adapters),
         max_lora_rank=rank,
         enforce_eager=mode.endswith("eager"),
-        async_output="off" if mode.endswith("inline") else "auto",
     )
 
 
@@ -730,10 +716,6 @@ def main(argv: list[str] | None = None) -> dict:
         "--graph-variants", action="store_true", help="also LoRA with its graphs' layers serial, and plain (fused)"
     )
     parser.add_argument("--models", default=",".join(ENGINE_MODELS), help="the engine section's: w1, 1b or both")
-    parser.add_argument("--detokenize", action="store_true", help="the engine section's requests detokenize")
-    parser.add_argument(
-        "--inline-output", action="store_true", help="also run base and LoRA with async_output off (paired)"
-    )
     parser.add_argument("--json", type=Path, default=Path("bench-results/gpu.json"))
     args = parser.parse_args(argv)
     sections = args.sections.split(",")
@@ -771,7 +753,7 @@ def main(argv: list[str] | None = None) -> dict:
     ))  # fmt: skip
     section("engine", lambda: engine_rows(
         device, args.dtype, smoke, args.profile, args.json.parent, args.eager, args.max_num_batched_tokens,
-        args.unfused, tuple(args.models.split(",")), args.graph_variants, args.detokenize, args.inline_output,
+        args.unfused, tuple(args.models.split(",")), args.graph_variants,
     ))  # fmt: skip
     results["failures"] = failures
     args.json.write_text(json.dumps(results, indent=2, default=str))

@@ -91,13 +91,6 @@ class EngineConfig:
         "CUDA: run decode steps eagerly, as prefill steps run, instead of replaying them as CUDA graphs (recorded at "
         "start for batches of up to max-num-seqs, up to 512)",
     )
-    async_output: str = option(
-        "auto",
-        "build each step's detokenized text and outputs while the device runs the next step (vLLM's async output "
-        "processing; a stream's delta then arrives one step later, stop strings are still checked at once): auto is "
-        "on with CUDA and off on a CPU, where the host is the device and nothing would overlap",
-        ("auto", "on", "off"),
-    )
     stream_interval: int = option(
         1,
         "steps whose tokens a stream gets in one delta after its first (as vLLM's --stream-interval): fewer, larger "
@@ -124,10 +117,6 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype '{self.dtype}'; choose one of {sorted(DTYPES)}")
         self.dtype = self._resolve_dtype()
-        if self.async_output not in ("auto", "on", "off"):
-            raise ValueError(f"async_output must be auto, on or off, got {self.async_output!r}")
-        if self.async_output == "auto":
-            self.async_output = "on" if self.device.startswith("cuda") else "off"
         for name in ("attention_backend", "lora_backend"):
             if getattr(self, name) == "auto":
                 setattr(self, name, "triton" if self.device.startswith("cuda") else self._cpu_backend())

@@ -7,12 +7,6 @@ by request, until the requests that raise alone are found; they fail, the others
 request of a step failed, a one-token self-test of the base model decides whether the engine itself is broken
 (EngineFault: the AsyncEngine then stops) or the requests were.
 
-Async output (`async_output`, on with CUDA): a step commits its tokens at once (token ids, logprobs, the stop checks
-by token and length, freeing finished sequences' blocks), but a request that stops on no string gets its text and
-its RequestOutput while the device runs the next step, so the host's per-token work overlaps the device's instead of
-following it (vLLM's async output processing). Its delta comes out of the next `step()`; a step with nothing to run
-sends what is left, and `has_unfinished` holds until then.
-
 Not thread-safe: the offline `LLM` drives it directly, the `AsyncEngine` from its one engine thread.
 """
 
@@ -106,10 +100,7 @@ class LLMEngine:
         self.pinned_adapters: dict[tuple[str, str], int] = {}  # LoRARequest.key -> adapter_idx held by pin_adapter
         self.stats = EngineStats()
         self.step_trace: deque[StepRecord] = deque(maxlen=STEP_TRACE_LEN)
-        self.last_step_ran = False  # whether the last step() had anything to compute or send
-        self.defer_outputs = config.async_output == "on"
-        # committed tokens whose text and RequestOutput wait for the next step's device time: (group, its deltas)
-        self.unsent: list[tuple[SequenceGroup, list[CompletionOutput]]] = []
+        self.last_step_ran = False  # whether the last step() had anything to compute
         self._arrivals = 0
         torch.manual_seed(config.seed)
         freeze_startup_heap()
@@ -176,13 +167,6 @@ class LLMEngine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
-        unsent = next((outs for g, outs in self.unsent if g is group), None)
-        if unsent is not None:
-            self.unsent = [(g, outs) for g, outs in self.unsent if g is not group]
-            if group.is_finished:  # it ended in the last step, its final delta unsent (async output): send it now
-                for out in unsent:
-                    out.text = self._text(group.seqs[out.index], out.token_ids[-1], True)
-                return self._request_output(group, unsent)
         outputs = []
         for seq in group.seqs:
             if not seq.is_finished:
@@ -205,7 +189,7 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self.unsent)
+        return self.scheduler.has_unfinished
 
     def snapshot(self) -> EngineSnapshot:
         cache, scheduler, blocks = self.adapter_cache, self.scheduler, self.block_manager
@@ -306,20 +290,12 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         outputs = [self._fail(seq.group, error) for seq, error in self.scheduler.failed]
         self.scheduler.failed.clear()
-        if batch.is_empty:  # nothing to run: what is unsent goes now
-            text_failed: dict[str, str] = {}
-            outputs += self._send(text_failed)
-            outputs += [self._fail(self.groups[rid], SequenceFailed(rid, why)) for rid, why in text_failed.items()]
-            self.last_step_ran = any(out is not None for out in outputs)
+        self.last_step_ran = not batch.is_empty
+        if batch.is_empty:
             return [out for out in outputs if out is not None]
-        self.last_step_ran = True
         self.runner.copy_blocks(batch.block_copies)
         rows = [self._rows_of(seq) if samples else [] for seq, samples in zip(batch.seqs, batch.samples())]
-        sent: list[RequestOutput] = []
-        text_failed = {}  # request_id -> why: its text raised while the step ran (it fails with the step's failures)
-        send = (lambda: sent.extend(self._send(text_failed))) if self.unsent else None
-        results, raised = self.forward.run(batch, rows, step=self.stats.num_steps + 1, while_device_runs=send)
-        outputs += sent
+        results, raised = self.forward.run(batch, rows, step=self.stats.num_steps + 1)
         failed = {request_id: f"its step raised {e!r}" for request_id, e in raised.items()}
         vocab_size = self.runner.arch.vocab_size
         for i, (hidden_finite, tokens) in results.items():
@@ -328,8 +304,6 @@ class LLMEngine:
                 failed.setdefault(batch.seqs[i].request_id, self._cause(hidden_finite, bad, vocab_size))
         if failed and len(failed) == len({seq.request_id for seq in batch.seqs}) and not self._self_test():
             raise EngineFault(f"every request of the step failed and the model fails its self-test: {failed}")
-        for request_id, cause in text_failed.items():
-            failed.setdefault(request_id, cause)
         outputs += self._fail_alone(batch, failed)
         deltas, late_failures = self._commit(batch, rows, results, failed)
         outputs += late_failures
@@ -338,41 +312,10 @@ class LLMEngine:
             group = self.groups[request_id]
             if group.is_finished:
                 finished.append(request_id)
-            if self._defers(group):
-                self.unsent.append((group, outs))
-                continue
-            if group.is_finished:
                 del self.groups[request_id]
             outputs.append(self._request_output(group, outs))
         self._record(batch, deltas, finished, list(failed))
         return [out for out in outputs if out is not None]
-
-    def _defers(self, group: SequenceGroup) -> bool:
-        """Whether the group's text and outputs wait for the next step's device time (async output): with no stop
-        strings, whose match decides when a sequence ends."""
-        return self.defer_outputs and not group.params.stop
-
-    def _send(self, failed: dict[str, str]) -> list[RequestOutput]:
-        """The unsent deltas as RequestOutputs, their text detokenized now; a finished request leaves `groups`. A
-        request aborted or failed since is skipped (its last output was sent then); one whose text raises is put in
-        `failed` (request_id -> why) for the caller to fail, never raising."""
-        unsent, self.unsent = self.unsent, []
-        outputs = []
-        for group, outs in unsent:
-            request_id = group.request_id
-            if self.groups.get(request_id) is not group or request_id in failed:
-                continue
-            try:
-                for out in outs:
-                    out.text = self._text(group.seqs[out.index], out.token_ids[-1], out.finish_reason is not None)
-            except Exception as e:
-                logger.exception("detokenizing request '%s' raised; it fails alone", request_id)
-                failed[request_id] = f"detokenizing its token raised {e!r}"
-                continue
-            if group.is_finished:
-                del self.groups[request_id]
-            outputs.append(self._request_output(group, outs))
-        return outputs
 
     def _rows_of(self, seq: Sequence) -> list[Sequence]:
         """The seqs that sample from a sampling seq's logits: itself, and after its prompt the n - 1 samples it forks
@@ -453,8 +396,8 @@ class LLMEngine:
             seq.logprobs.append(logprob)
         is_stop_token = token.token_id in params.stop_token_ids
         is_eos = token.token_id in self.eos_token_ids and not params.ignore_eos
-        defer = self._defers(seq.group)  # its text comes in `_send` (no stop string to look for now)
-        text = seq.detokenizer.push([token.token_id]) if not defer and self._detokenizes(seq, token.token_id) else ""
+        detokenize = params.detokenize and not (is_stop_token or is_eos)
+        text = seq.detokenizer.push([token.token_id]) if detokenize else ""
         if is_stop_token:
             seq.finish_reason, seq.stop_reason = "stop", token.token_id
         elif is_eos:
@@ -466,7 +409,7 @@ class LLMEngine:
         ):
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
-            text += seq.detokenizer.flush() if params.detokenize and not defer else ""
+            text += seq.detokenizer.flush() if params.detokenize else ""
             self.scheduler.finish(seq)
         return CompletionOutput(
             seq.index,
@@ -476,19 +419,6 @@ class LLMEngine:
             seq.finish_reason,
             seq.stop_reason,
         )
-
-    def _detokenizes(self, seq: Sequence, token_id: int) -> bool:
-        """Whether the token's text is the seq's output: not a stop token or an eos that ended it."""
-        params = seq.params
-        is_stop_token = token_id in params.stop_token_ids
-        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
-        return params.detokenize and not (is_stop_token or is_eos)
-
-    def _text(self, seq: Sequence, token_id: int, finished: bool) -> str:
-        """A deferred token's text (`_send`): what the detokenizer releases for it, and all it holds once the seq
-        ended."""
-        text = seq.detokenizer.push([token_id]) if self._detokenizes(seq, token_id) else ""
-        return text + (seq.detokenizer.flush() if finished and seq.params.detokenize else "")
 
     def _request_output(self, group: SequenceGroup, outputs: list[CompletionOutput]) -> RequestOutput:
         return RequestOutput(

@@ -61,10 +61,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         """logits: [B, V], row b sampled for rows[b]. The caller's logits are left untouched."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
-        token_ids = self.argmax_ids(logits, rows)
-        if token_ids is not None:
-            return self.argmax_tokens(token_ids)
         ban_rows, ban_tokens = self._min_tokens_bans(rows, logits.shape[1])
+        if not ban_rows and all(_is_plain_greedy(row.params) for row in rows):
+            token_ids = greedy_tokens(logits)  # [B], NON_FINITE (-1) for a row with NaN or Inf: one C++ pass
+            if token_ids is None:
+                token_ids = logits.argmax(dim=-1).masked_fill_(~finite_rows(logits), NON_FINITE)
+            return self.argmax_tokens(token_ids)
         finite = finite_rows(logits)  # [B]: the model gave the row finite logits
 
         scores = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # [B, V]
@@ -80,16 +82,6 @@ class Sampler:
             token_ids[random_idx], drawn = sample(_select_rows(scores, random_idx), [rows[i] for i in random_idx])
             finite[random_idx] &= drawn
         return with_logprobs(logits, token_ids.masked_fill_(~finite, NON_FINITE), rows)
-
-    def argmax_ids(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
-        """[B] int64 on the logits' device, NON_FINITE (-1) for a row with NaN or Inf, where every row is plain greedy
-        and bans no token this step (`argmax_tokens` reads them; nothing waits for the device before); else None."""
-        if not self.wants_argmax_only(rows):
-            return None
-        token_ids = greedy_tokens(logits)  # [B]: one C++ pass on a CPU
-        if token_ids is None:
-            token_ids = logits.argmax(dim=-1).masked_fill_(~finite_rows(logits), NON_FINITE)
-        return token_ids
 
     def wants_argmax_only(self, rows: list[SamplingRow]) -> bool:
         """Whether every row's token is its logits' argmax and nothing else of them is read (greedy, no logprobs, no

@@ -4,15 +4,11 @@ blamed alone.
 The whole batch runs first. If that raises, its requests run again in halves, recursively, until each failure is
 pinned on one request; every part that runs is kept, so a step that raised once is merely retried. A forward
 changes no engine state (it rewrites the same K/V slots), so running a part again is safe.
-
-`while_device_runs`, when given, is called once per step after the step's device work is queued and before the host
-waits for its tokens: on CUDA the engine builds the previous step's outputs there (async output processing).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 
@@ -35,19 +31,12 @@ class IsolatedForward:
         self.runner, self.sampler = runner, sampler
 
     def run(
-        self,
-        batch: ScheduledBatch,
-        rows: list[list[Sequence]],
-        step: int,
-        while_device_runs: Callable[[], None] | None = None,
+        self, batch: ScheduledBatch, rows: list[list[Sequence]], step: int
     ) -> tuple[dict[int, Outcome], dict[str, Exception]]:
         """({batch index: Outcome} of the seqs that ran, {request_id: error} of the requests that raise alone).
-        `rows[i]`: the seqs that sample from batch.seqs[i]'s logits (empty: it does not sample this step).
-        `while_device_runs` (must not raise) is called exactly once, while the whole batch's first run is on the
-        device, or after the step when that run raised first."""
-        pending = [while_device_runs] if while_device_runs is not None else []
+        `rows[i]`: the seqs that sample from batch.seqs[i]'s logits (empty: it does not sample this step)."""
         try:
-            return self._forward(batch, list(range(len(batch.seqs))), rows, pending), {}
+            return self._forward(batch, list(range(len(batch.seqs))), rows), {}
         except Exception as error:
             by_request: dict[str, list[int]] = {}
             for i, seq in enumerate(batch.seqs):
@@ -57,8 +46,6 @@ class IsolatedForward:
             raised: dict[str, Exception] = {}
             self._bisect(batch, rows, list(by_request.values()), error, results, raised)
             return results, raised
-        finally:
-            _call_pending(pending)
 
     def _bisect(self, batch, rows, groups: list[list[int]], error: Exception, results: dict, raised: dict) -> None:
         """`groups` (batch indices, one list per request) raised `error` together: blames it on a lone request, or
@@ -72,11 +59,8 @@ class IsolatedForward:
             except Exception as e:
                 self._bisect(batch, rows, part, e, results, raised)
 
-    def _forward(
-        self, batch: ScheduledBatch, part: list[int], rows: list[list[Sequence]], pending: list | None = None
-    ) -> dict[int, Outcome]:
-        """Runs the model and the sampler on the seqs batch.seqs[part] (ascending); calls `pending`'s callback once
-        the device has the step's work, before reading its tokens."""
+    def _forward(self, batch: ScheduledBatch, part: list[int], rows: list[list[Sequence]]) -> dict[int, Outcome]:
+        """Runs the model and the sampler on the seqs batch.seqs[part] (ascending)."""
         if len(part) < len(batch.seqs):
             batch = ScheduledBatch(
                 seqs=[batch.seqs[i] for i in part],
@@ -86,24 +70,15 @@ class IsolatedForward:
         hidden, finite = self.runner.execute(batch)  # [S, H], [B]
         sampling = [rows[i] for i in part if rows[i]]
         sampling_rows = [sampling_row(s) for r in sampling for s in r]
-        token_ids = logits = None
+        token_ids = None
         if len(sampling_rows) == len(sampling) and self.sampler.wants_argmax_only(sampling_rows):
             token_ids = self.runner.greedy_tokens(hidden)  # [S], or None: no screened head, or it cannot tell
-        if token_ids is None:
+        if token_ids is not None:
+            tokens = iter(self.sampler.argmax_tokens(token_ids))
+        else:
             logits = self.runner.logits(hidden)  # [S, V]
             if any(len(r) > 1 for r in sampling):  # new samples each draw from their parent's row
                 repeat = torch.tensor([len(r) for r in sampling], device=logits.device)
                 logits = logits.repeat_interleave(repeat, dim=0)
-            token_ids = self.sampler.argmax_ids(logits, sampling_rows)  # [S], or None: not every row is greedy
-        _call_pending(pending)  # the host's other work while the device computes the tokens
-        if token_ids is not None:
-            tokens = iter(self.sampler.argmax_tokens(token_ids))
-        else:
             tokens = iter(self.sampler(logits, sampling_rows))
         return {i: (ok, [next(tokens) for _ in rows[i]]) for i, ok in zip(part, finite.tolist())}
-
-
-def _call_pending(pending: list | None) -> None:
-    """Calls the callback `pending` holds, if any, and empties it: each step's runs call it once between them."""
-    if pending:
-        pending.pop()()
