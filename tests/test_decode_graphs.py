@@ -15,9 +15,12 @@ import torch
 from peft import PeftModel
 
 from adapters.ref import LoRARequest
+from engine import decode_graphs
 from engine.decode_graphs import DecodeGraphs, graph_batch_sizes
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from kernels.lora import NO_ADAPTER
+from kernels.lora.meta import fill_graph_layout
 from tests.hf_models import make_adapter, make_model
 from tests.test_oracle import prompts
 
@@ -126,6 +129,32 @@ def test_padded_decode_steps_match_eager_steps_and_peft(setup):
         assert out.outputs[0].token_ids == peft_greedy(peft_model, prompt, name, 8), f"adapter {name}"
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and llm.engine.adapter_cache.num_pinned == 0
+
+
+@interpreted
+def test_a_step_keeps_the_lora_layout_while_its_adapter_rows_do_not_change(setup, monkeypatch):
+    """The host buffers' LoRA layout is made again only when a step's adapter rows differ from the last step's (the
+    five seqs decoding together, then a2 alone on a row they freed), and the tokens stay the eager engine's."""
+    model_dir, _, loras = setup
+    _, expected = generate(engine(model_dir, "cpu"), loras)
+    llm = engine(model_dir, "cpu")
+    runner = llm.engine.runner
+    runner.decode_graphs = graphs = runner.make_decode_graphs(llm.engine.max_model_len, capture=False)
+    steps_rows, run = [], graphs.run
+
+    def recorded(batch):
+        rows = [seq.adapter_idx for seq in batch.seqs]
+        steps_rows.append(rows if max(rows) != NO_ADAPTER else [NO_ADAPTER] * len(rows))
+        return run(batch)
+
+    layouts = []
+    monkeypatch.setattr(graphs, "run", recorded)
+    monkeypatch.setattr(decode_graphs, "fill_graph_layout", lambda rows, *out: layouts.append(list(rows)) or
+                        fill_graph_layout(rows, *out))  # fmt: skip
+    _, ours = generate(llm, loras)
+    assert_same_outputs(ours, expected)
+    changes = [rows for previous, rows in zip([[], *steps_rows], steps_rows) if rows != previous]
+    assert layouts == changes and 2 <= len(changes) < len(steps_rows)
 
 
 @interpreted
