@@ -19,7 +19,9 @@ engine     W1 of ../shared/peers (the random 56M Llama, 64 requests of 128 promp
            goes (its prefill steps, its decode steps, outside them). Decode steps replay CUDA graphs, as the
            engine's default is; --eager also runs both with enforce_eager; --unfused also runs LoRA with no layer
            in one launch (shrink, then expand: what fusing gains); --models w1 or 1b runs one model only; steps take
-           the engine's default budget (8192 tokens on CUDA) unless --max-num-batched-tokens says otherwise.
+           the engine's default budget (8192 tokens on CUDA) unless --max-num-batched-tokens says otherwise;
+           --host-split also times the step's parts on the host in every run (bench/host_split.py) and prints
+           each part's seconds a run, base against LoRA.
 
 --sweep also times the kernels under several launch settings (key tile, warps, pipeline stages, split-decode
 partition) and prints the best, to choose the modules' defaults. Kernel times are Triton's do_bench medians
@@ -42,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from bench.host_split import timed_parts
 from engine.config import DTYPES
 
 SECTIONS = ("ceilings", "attention", "lora", "engine")
@@ -456,11 +459,13 @@ def engine_rows(
     unfused: bool = False,
     keys: tuple[str, ...] = ENGINE_MODELS,
     graph_variants: bool = False,
+    host_split: bool = False,
 ) -> list[dict]:
     """W1 and a bigger random Llama through the offline LLM on the device, base and LoRA (decode steps as CUDA
     graphs; with `eager`, also both with enforce_eager; with `unfused`, also LoRA with no layer in one launch, built
     and run under FUSE_MAX_REPEATED_K 0; with `graph_variants`, also LoRA with its graphs recorded "serial" and
-    "plain", lora_linear.GRAPH_LORA). `keys`: which of ENGINE_MODELS. Each mode's engine is built up front and their
+    "plain", lora_linear.GRAPH_LORA; with `host_split`, each timed run's host parts, `timed_parts`). `keys`: which
+    of ENGINE_MODELS. Each mode's engine is built up front and their
     runs interleave (base, LoRA, base, LoRA...), so that a slow spell of a shared host falls on every mode alike; a
     ratio is the median of the runs' pairwise ratios."""
     import tempfile
@@ -495,15 +500,20 @@ def engine_rows(
             loras = [adapters[i % len(adapters)] for i in range(num_prompts)]  # the LoRA modes' requests
             walls: dict[str, list[float]] = {mode: [] for mode in modes}
             step_walls: dict[str, dict[str, list[float]]] = {mode: {} for mode in modes}  # mode -> kind -> runs
+            parts: dict[str, dict[str, list[float]]] = {mode: {} for mode in modes}  # mode -> part -> runs' seconds
             runs = 6 if num_prompts * input_len <= 8192 else 3  # small runs are short and noisy: more of them
             for run in range(1 + runs):  # the first warms up (compiles the kernels)
                 prompts = torch.randint(10, config["vocab_size"], (num_prompts, input_len), generator=gen).tolist()
                 for mode, llm in llms.items():
                     steps = step_walls[mode] if run else None
-                    with mode_settings(mode):
+                    totals: dict[str, float] = {}
+                    timing = timed_parts(totals) if host_split and run else contextlib.nullcontext()
+                    with mode_settings(mode), timing:
                         wall = timed_generate(llm, prompts, params, loras if "lora" in mode else None, device, steps)
                     if run:
                         walls[mode].append(wall)
+                        for part, seconds in totals.items():
+                            parts[mode].setdefault(part, []).append(seconds)
             for mode in modes:
                 steps_s = {kind: statistics.median(runs) for kind, runs in step_walls[mode].items()}
                 row[mode] = {"walls_s": walls[mode], "tok_s": num_prompts * output_len / statistics.median(walls[mode]),
@@ -516,6 +526,10 @@ def engine_rows(
                     profile_to = out_dir / f"profile-{len(rows)}-{mode}.txt"
                     with mode_settings(mode):
                         row[mode]["profile"] = profile_run(llms[mode], prompts, params, lora, device, profile_to)
+            if host_split:
+                for mode in modes:
+                    row[mode]["host_split_s"] = {part: statistics.median(s) for part, s in parts[mode].items()}
+                print_host_split(name, row)
             row["lora_over_base"] = paired_ratio(walls["lora"], walls["base"])
             row["lora_extra_s"] = extra = lora_extra_seconds(walls, step_walls)
             print(f"engine {name}: LoRA / base {row['lora_over_base']:.2f} (median of paired runs); LoRA's extra "
@@ -541,6 +555,15 @@ def engine_rows(
                 torch.cuda.empty_cache()
             rows.append(row)
     return rows
+
+
+def print_host_split(name: str, row: dict) -> None:
+    """Each timed part's median seconds a run, base and LoRA side by side (ms)."""
+    base, lora = row["base"]["host_split_s"], row["lora"]["host_split_s"]
+    print(f"engine {name}: host time a run by part (ms, median; each part holds its callees)", flush=True)
+    for part in dict.fromkeys([*base, *lora]):
+        b, lo = base.get(part, 0.0) * 1e3, lora.get(part, 0.0) * 1e3
+        print(f"    {part:24s} base {b:9.2f}  lora {lo:9.2f}  lora - base {lo - b:+8.2f}", flush=True)
 
 
 def mode_settings(mode: str) -> contextlib.AbstractContextManager:
@@ -716,6 +739,9 @@ def main(argv: list[str] | None = None) -> dict:
         "--graph-variants", action="store_true", help="also LoRA with its graphs' layers serial, and plain (fused)"
     )
     parser.add_argument("--models", default=",".join(ENGINE_MODELS), help="the engine section's: w1, 1b or both")
+    parser.add_argument(
+        "--host-split", action="store_true", help="also time each engine step's parts on the host (base vs LoRA)"
+    )
     parser.add_argument("--json", type=Path, default=Path("bench-results/gpu.json"))
     args = parser.parse_args(argv)
     sections = args.sections.split(",")
@@ -753,7 +779,7 @@ def main(argv: list[str] | None = None) -> dict:
     ))  # fmt: skip
     section("engine", lambda: engine_rows(
         device, args.dtype, smoke, args.profile, args.json.parent, args.eager, args.max_num_batched_tokens,
-        args.unfused, tuple(args.models.split(",")), args.graph_variants,
+        args.unfused, tuple(args.models.split(",")), args.graph_variants, args.host_split,
     ))  # fmt: skip
     results["failures"] = failures
     args.json.write_text(json.dumps(results, indent=2, default=str))

@@ -6,6 +6,8 @@ import json
 import torch
 
 from bench import gpu
+from engine.llm_engine import LLMEngine
+from engine.scheduler import Scheduler
 
 
 def test_byte_counts_are_the_fewest_bytes_each_kernel_must_move():
@@ -55,11 +57,16 @@ def test_kernel_totals_sum_the_named_kernels_of_a_profile():
 
 def test_smoke_run_of_the_engine_section_pairs_interleaved_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    argv = ["--sections", "engine", "--dtype", "float32", "--unfused", "--json", str(tmp_path / "gpu.json")]
-    results = gpu.main(argv)
+    argv = ["--sections", "engine", "--dtype", "float32", "--unfused", "--host-split"]
+    results = gpu.main([*argv, "--json", str(tmp_path / "gpu.json")])
     assert results["failures"] == {}
     (row,) = results["engine"]
     assert len(row["lora-unfused"]["walls_s"]) == 6 and row["fused_over_unfused"] > 0
+    for mode in ("base", "lora"):  # the host's parts, each within the step that calls it (no CUDA graph on a CPU)
+        split = row[mode]["host_split_s"]
+        assert "CUDAGraph.replay" not in split and 0 < split["Scheduler.schedule"] < split["LLMEngine.step"]
+        assert 0 < split["ModelRunner.execute"] < split["LLMEngine.step"] < max(row[mode]["walls_s"])
+    assert not hasattr(LLMEngine.step, "__wrapped__") and not hasattr(Scheduler.schedule, "__wrapped__")
     base, lora = row["base"]["walls_s"], row["lora"]["walls_s"]
     assert len(base) == len(lora) == 6
     assert row["lora_over_base"] == gpu.paired_ratio(lora, base) > 0
