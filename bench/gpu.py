@@ -465,9 +465,9 @@ def engine_rows(
     graphs; with `eager`, also both with enforce_eager; with `unfused`, also LoRA with no layer in one launch, built
     and run under FUSE_MAX_REPEATED_K 0; with `graph_variants`, also LoRA with its graphs recorded "serial" and
     "plain", lora_linear.GRAPH_LORA; with `host_split`, each timed run's host parts, `timed_parts`). `keys`: which
-    of ENGINE_MODELS. Each mode's engine is built up front and their
-    runs interleave (base, LoRA, base, LoRA...), so that a slow spell of a shared host falls on every mode alike; a
-    ratio is the median of the runs' pairwise ratios."""
+    of ENGINE_MODELS. Each mode's engine is built up front and their runs interleave (base, LoRA, base, LoRA...), so
+    that a slow spell of a shared host falls on every mode alike; a ratio is the median of the runs' pairwise
+    ratios."""
     import tempfile
 
     from bench.engine import MODEL_56M
