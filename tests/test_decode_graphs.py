@@ -156,6 +156,32 @@ def test_a_step_keeps_the_lora_layout_while_its_adapter_rows_do_not_change(setup
 
 
 @interpreted
+def test_the_staging_buffers_reach_the_device_in_contiguous_copies(setup, monkeypatch):
+    """Every copy from the host staging buffers reads a contiguous source (on CUDA a strided one goes through a
+    pageable temporary, which waits for the stream), and the steps still give the eager engine's tokens."""
+    model_dir, _, loras = setup
+    _, expected = generate(engine(model_dir, "cpu"), loras)
+    llm = engine(model_dir, "cpu")
+    runner = llm.engine.runner
+    runner.decode_graphs = graphs = runner.make_decode_graphs(llm.engine.max_model_len, capture=False)
+    staging = {t.untyped_storage().data_ptr() for t in (graphs.host_ids, graphs.host_lens, graphs.host_tables)}
+    copies, copy_ = [], torch.Tensor.copy_
+
+    def recorded(dst, src, non_blocking=False):
+        if src.untyped_storage().data_ptr() in staging:
+            copies.append((tuple(src.shape), src.is_contiguous()))
+        return copy_(dst, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", recorded)
+    _, ours = generate(llm, loras)
+    monkeypatch.undo()
+    assert_same_outputs(ours, expected)
+    assert all(contiguous for _, contiguous in copies), copies
+    tables = [shape for shape, _ in copies if shape[-1] == graphs.max_blocks]
+    assert len(copies) >= 3 * 7 and len(tables) >= 7  # three copies a step, the block tables' among them
+
+
+@interpreted
 def test_split_k_shrink_and_grouped_expand_match_eager_steps_and_peft(setup, monkeypatch):
     """The tiny model's LoRA layers with the shrink split into parts of H_in (16 columns a step, as if on a device of
     64 multiprocessors) and two column tiles per expand program, through the padded buffers and eager prefill
