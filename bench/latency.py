@@ -34,6 +34,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from bench import BenchError, plots
 from bench.client import Target
 from bench.idle_check import warn_if_busy
@@ -144,15 +147,29 @@ def measure(args: argparse.Namespace, levels: list[int]) -> dict:
 def serve_run(specs: list[RequestSpec], target: Target, level: int, server_pid: int) -> dict:
     """One run of `specs` through the server, `level` in flight: its summary (per-adapter rows left out), and the
     CPU seconds the server and this process (the client) spent meanwhile."""
+    steps_before = engine_steps(target.url)
     server_cpu, client_cpu = process_cpu_s(server_pid), time.process_time()
     threads_before = server_thread_cpu_s(server_pid)  # the threads' window inside the process's: their parts fit it
     summary = summarize(*run_requests(specs, target, RunLimits(max_concurrency=level, label=f"c={level}")))
     threads = server_thread_cpu_s(server_pid)
+    steps = engine_steps(target.url) - steps_before
     cpu_s = {"server": process_cpu_s(server_pid) - server_cpu, "client": time.process_time() - client_cpu}
     cpu_s.update({f"server_{kind}": seconds - threads_before[kind] for kind, seconds in threads.items()})
     if summary["failed"]:
         raise BenchError(f"{summary['failed']} requests failed at concurrency {level}: {summary['errors']}")
-    return {"concurrency": level, **{k: v for k, v in summary.items() if k != "per_adapter"}, "cpu_s": cpu_s}
+    summary = {k: v for k, v in summary.items() if k != "per_adapter"}
+    return {"concurrency": level, **summary, "cpu_s": cpu_s, "steps": steps}
+
+
+def engine_steps(url: str) -> float:
+    """The server's engine steps so far, from its /metrics (which answers loopback clients); NaN where unread."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return float("nan")
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    steps = families.get("loraplex_engine_steps")
+    return steps.samples[0].value if steps is not None else float("nan")
 
 
 def process_cpu_s(pid: int) -> float:
@@ -207,6 +224,8 @@ def paired_figures(pairs: list[tuple[dict, dict]]) -> dict:
         "server_tok_s": server_tok_s,
         "server_over_offline": statistics.median(s / o for o, s in zip(offline_tok_s, server_tok_s)),
         "offline_cpu_ms_per_token": statistics.median(per_token(a["cpu_s"][0], a["output_tokens"]) for a, _ in pairs),
+        "offline_steps": statistics.median(alone["steps"][0] for alone, _ in pairs),
+        "server_steps": statistics.median(served["steps"] for _, served in pairs),
         **{
             f"{part}_cpu_ms_per_token": statistics.median(
                 per_token(s["cpu_s"][part], s["total_output_tokens"]) for _, s in pairs
@@ -224,7 +243,7 @@ def run_offline(workload_file: Path, threads: int, with_lora: bool) -> dict:
     command = [sys.executable, "-m", "bench.offline_driver", "--workload", str(workload_file)]
     command += ["--threads", str(threads)] + ([] if with_lora else ["--no-lora"])
     result = run_driver(command, dict(os.environ), "loraplex offline", "lora" if with_lora else "base")
-    return {k: result[k] for k in ("output_tokens", "walls_s", "cpu_s")}
+    return {k: result[k] for k in ("output_tokens", "walls_s", "cpu_s", "steps")}
 
 
 def both_sides(before: dict, after: dict) -> dict:
@@ -258,6 +277,8 @@ def print_table(result: dict) -> None:
     loop_ms, engine_ms = paired["server_event_loop_cpu_ms_per_token"], paired["server_engine_threads_cpu_ms_per_token"]
     print(f"  the server's: event loop {loop_ms:.3f} ms, engine threads {engine_ms:.2f} ms (its own and its "
           f"OpenMP team), other threads {server_ms - loop_ms - engine_ms:.2f} ms")  # fmt: skip
+    print(f"engine steps a run (medians of those pairs): offline {paired['offline_steps']:.0f}, server "
+          f"{paired['server_steps']:.0f}")  # fmt: skip
 
 
 if __name__ == "__main__":

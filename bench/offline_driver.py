@@ -43,22 +43,25 @@ def main(argv: list[str] | None = None) -> dict:
     output_len = workload["output_len"]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
 
-    def run(requests) -> tuple[float, float, int]:
+    stats = llm.engine.stats
+
+    def run(requests) -> tuple[float, float, int, int]:
         prompts = [ids for ids, _ in requests]
         lora = [adapters[a] for _, a in requests] if use_lora else None
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, cpu_start, steps_start = time.perf_counter(), time.process_time(), stats.num_steps
         outputs = llm.generate(prompts, params, lora_request=lora)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        return elapsed, cpu, sum(len(o.outputs[0].token_ids) for o in outputs)
+        return elapsed, cpu, sum(len(o.outputs[0].token_ids) for o in outputs), stats.num_steps - steps_start
 
     governor = llm.engine.thread_governor  # None where the team is fixed
     run(workload["warmup"])
-    walls, cpus, teams, tokens = [], [], [], 0
+    walls, cpus, steps, teams, tokens = [], [], [], [], 0
     for requests in workload["runs"]:
         resizes_before = governor.resizes if governor else 0
-        elapsed, cpu, tokens = run(requests)
+        elapsed, cpu, tokens, num_steps = run(requests)
         walls.append(elapsed)
         cpus.append(cpu)
+        steps.append(num_steps)
         if governor:  # the team's sizes through the run: the one it started with, then each change
             teams.append(list(governor.sizes)[-(governor.resizes - resizes_before + 1) :])
     result = {
@@ -67,6 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
         "threads": llm.engine.config.cpu_threads,
         "walls_s": walls,
         "cpu_s": cpus,  # each run's CPU time, every thread of this process (user + system)
+        "steps": steps,  # each run's engine steps
         "team_sizes": teams,  # each run's OpenMP team sizes, in order ([] where the team is fixed)
         "output_tokens": tokens,
     }

@@ -392,6 +392,8 @@ def test_latency_runs_the_server_and_the_offline_engine_on_the_same_requests(mod
     paired = result["paired"]  # CPU per output token: the server's and the client's, against the offline engine's
     assert len(paired["server_tok_s"]) == 2 and paired["server_over_offline"] > 0
     assert all(paired[f"{side}_cpu_ms_per_token"] > 0 for side in ("offline", "server", "client"))
+    # engine steps a run: offline, the four prompts in one step, then five decode steps; the server's from /metrics
+    assert paired["offline_steps"] == 6 and all(run["steps"] >= 4 * 6 / run["concurrency"] for run in result["runs"])
     for run in result["runs"]:  # the event loop's and the engine thread's shares of the server's CPU
         parts = run["cpu_s"]["server_event_loop"] + run["cpu_s"]["server_engine_threads"]
         assert 0 <= parts <= run["cpu_s"]["server"] + 0.05  # each counter read rounds down to a clock tick
