@@ -270,6 +270,14 @@ def test_meta_groups_tokens_by_adapter():
         LoraMeta.build([0, -2], "cpu")
 
 
+def test_a_cpu_meta_keeps_its_own_copy_of_the_step_rows():
+    """On a CPU the meta's tensors share the arrays build made (no packing), never the caller's array."""
+    rows = np.array([1, -1, 0, 1])
+    meta = LoraMeta.build(rows, "cpu")
+    rows[:] = 3
+    assert meta.token_adapter_idx.tolist() == [1, -1, 0, 1] and meta.sorted_token_idx.tolist() == [2, 0, 3]
+
+
 def test_meta_without_torch_layouts_holds_the_same_kernel_inputs():
     idx = [2, -1, 0, 2, 0, 5]
     full, lean = LoraMeta.build(idx, "cpu"), LoraMeta.build(idx, "cpu", torch_layouts=False)

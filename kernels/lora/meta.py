@@ -78,10 +78,11 @@ class LoraMeta:
         """`tile_tokens`: the Triton tiles' tokens (0: from the longest segment). `torch_layouts`: also the torch
         path's layouts (run_starts, the padded layout); the Triton and CPU kernels read neither. Built with numpy
         (a torch CPU op costs several µs of dispatch, a step's meta took ~0.5 ms of host time for 2048 tokens) and
-        moved to the device in one copy (HostPack)."""
+        moved to the device in one copy (HostPack); on a CPU the tensors are those arrays (packing them there cost
+        ~30 µs a step for nothing)."""
         if isinstance(token_adapter_idx, Tensor):
             token_adapter_idx = token_adapter_idx.cpu().numpy()
-        idx = np.asarray(token_adapter_idx, dtype=np.int64).reshape(-1)  # [T]
+        idx = np.array(token_adapter_idx, dtype=np.int64).reshape(-1)  # [T], a copy: the caller's may change
         if idx.size and idx.min() < NO_ADAPTER:
             raise ValueError(f"token_adapter_idx holds {idx.min()}; rows are >= 0, or -1 for no adapter")
         lora_tokens = np.flatnonzero(idx >= 0)  # [L]
@@ -104,7 +105,10 @@ class LoraMeta:
             if len(counts) > 1 and len(counts) * max_seg_len <= MAX_PADDED_ROWS_PER_TOKEN * len(sorted_token_idx):
                 padded = _padded_layout(sorted_token_idx, seg_indptr, max_seg_len)
                 arrays.update(zip(("padded_token_idx", "padded_rows", "padded_is_pad"), padded, strict=True))
-        on_device = HostPack(arrays).to(device)
+        if torch.device(device).type == "cpu":  # the arrays are the step's own: the tensors share their memory
+            on_device = {name: torch.from_numpy(array) for name, array in arrays.items()}
+        else:
+            on_device = HostPack(arrays).to(device)
         return cls(
             token_adapter_idx=on_device["token_adapter_idx"],
             num_tokens=idx.shape[0],
