@@ -16,7 +16,8 @@ run of its own (the server idle meanwhile), and the median of those pairs' ratio
 host whose speed drifts by 20% within minutes the runs before and after the server can miss what the server met.
 Those pairs also compare CPU time per output token: the offline engine's (its process, every thread), the server's
 (its process: engine, event loop, tokenizer, accounting) and the benchmark client's (this process), so that what
-the gateway costs shows apart from what the client, sharing the cores, takes from it.
+the gateway costs shows apart from what the client, sharing the cores, takes from it, and engine steps a run (the
+offline engine's count, the server's from its /metrics): more steps mean smaller batches, the same steps dearer ones.
 With --tiny the random Llama is cut to one layer of width 64: its engine costs next to nothing, so the server's
 CPU a token (its event loop's, the gateway's Python and socket writes) is the gateway's own, apart from the engine's.
 Prints a table, writes latency.json and latency_vs_concurrency.png.
