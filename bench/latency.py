@@ -146,8 +146,8 @@ def measure(args: argparse.Namespace, levels: list[int]) -> dict:
 
 
 def serve_run(specs: list[RequestSpec], target: Target, level: int, server_pid: int) -> dict:
-    """One run of `specs` through the server, `level` in flight: its summary (per-adapter rows left out), and the
-    CPU seconds the server and this process (the client) spent meanwhile."""
+    """One run of `specs` through the server, `level` in flight: its summary (per-adapter rows left out), the CPU
+    seconds the server and this process (the client) spent meanwhile, and the server's engine steps."""
     steps_before = engine_steps(target.url)
     server_cpu, client_cpu = process_cpu_s(server_pid), time.process_time()
     threads_before = server_thread_cpu_s(server_pid)  # the threads' window inside the process's: their parts fit it

@@ -181,7 +181,8 @@ class DecodeGraphs:
         """The staging buffers to the device: the ids and lengths whole, the first `size` rows of the block tables.
         Each source is contiguous: a strided one (the tables' first columns only, as before 2026-11-28) is copied
         by torch into a pageable temporary first, which on CUDA makes the copy wait for the stream and adds a copy
-        kernel on the device, 194 µs a step of three copies on an H200's host against kilobytes of whole rows."""
+        kernel on the device (the three copies took 194 µs a step of an H200's host time). Whole rows cost bytes
+        instead, asynchronously: 128 KB for 64 rows of an 8192-token context's tables."""
         size = size or self.max_batch
         self.ids.copy_(self.host_ids, non_blocking=True)
         self.lens.copy_(self.host_lens, non_blocking=True)
