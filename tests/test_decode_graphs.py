@@ -63,6 +63,22 @@ def engine(model_dir, device: str, **options) -> LLM:
     )
 
 
+@pytest.fixture(scope="module")
+def eager_outputs(setup):
+    """(prompts, outputs) of the eager CPU engine (no decode graphs there): what the padded buffers' steps must give."""
+    model_dir, _, loras = setup
+    eager = engine(model_dir, "cpu")
+    assert eager.engine.runner.decode_graphs is None  # a CPU engine runs eagerly
+    return generate(eager, loras)
+
+
+def with_padded_graphs(llm: LLM) -> DecodeGraphs:
+    """Gives a CPU engine's runner DecodeGraphs whose padded steps run eagerly (capture=False); returns them."""
+    runner = llm.engine.runner
+    runner.decode_graphs = runner.make_decode_graphs(llm.engine.max_model_len, capture=False)
+    return runner.decode_graphs
+
+
 def generate(llm: LLM, loras: dict, max_tokens: int = 8):
     batch = prompts(llm.engine.runner.arch.vocab_size, len(NAMES), seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
@@ -110,17 +126,13 @@ def test_buckets_cover_every_batch_size_once(max_num_seqs, sizes):
 
 
 @interpreted
-def test_padded_decode_steps_match_eager_steps_and_peft(setup):
+def test_padded_decode_steps_match_eager_steps_and_peft(setup, eager_outputs):
     """The padded buffers' steps (run eagerly on the CPU) give the eager engine's tokens and logprobs, and peft's
     greedy tokens per adapter, over a mixed batch whose third adapter loads into a row freed mid-run."""
     model_dir, peft_model, loras = setup
-    eager = engine(model_dir, "cpu")
-    assert eager.engine.runner.decode_graphs is None  # a CPU engine runs eagerly
-    batch, expected = generate(eager, loras)
+    batch, expected = eager_outputs
     llm = engine(model_dir, "cpu")
-    runner = llm.engine.runner
-    runner.decode_graphs = runner.make_decode_graphs(llm.engine.max_model_len, capture=False)
-    sizes = counting_runs(runner.decode_graphs)
+    sizes = counting_runs(with_padded_graphs(llm))
     _, ours = generate(llm, loras)
     assert_same_outputs(ours, expected)
     assert len(sizes) >= 7 and 5 in sizes  # decode steps went through the buffers, padded ones too
@@ -131,14 +143,13 @@ def test_padded_decode_steps_match_eager_steps_and_peft(setup):
 
 
 @interpreted
-def test_a_step_keeps_the_lora_layout_while_its_adapter_rows_do_not_change(setup, monkeypatch):
+def test_a_step_keeps_the_lora_layout_while_its_adapter_rows_do_not_change(setup, eager_outputs, monkeypatch):
     """The host buffers' LoRA layout is made again only when a step's adapter rows differ from the last step's (the
     five seqs decoding together, then a2 alone on a row they freed), and the tokens stay the eager engine's."""
     model_dir, _, loras = setup
-    _, expected = generate(engine(model_dir, "cpu"), loras)
+    _, expected = eager_outputs
     llm = engine(model_dir, "cpu")
-    runner = llm.engine.runner
-    runner.decode_graphs = graphs = runner.make_decode_graphs(llm.engine.max_model_len, capture=False)
+    graphs = with_padded_graphs(llm)
     steps_rows, run = [], graphs.run
 
     def recorded(batch):
@@ -156,14 +167,13 @@ def test_a_step_keeps_the_lora_layout_while_its_adapter_rows_do_not_change(setup
 
 
 @interpreted
-def test_the_staging_buffers_reach_the_device_in_contiguous_copies(setup, monkeypatch):
+def test_the_staging_buffers_reach_the_device_in_contiguous_copies(setup, eager_outputs, monkeypatch):
     """Every copy from the host staging buffers reads a contiguous source (on CUDA a strided one goes through a
     pageable temporary, which waits for the stream), and the steps still give the eager engine's tokens."""
     model_dir, _, loras = setup
-    _, expected = generate(engine(model_dir, "cpu"), loras)
+    _, expected = eager_outputs
     llm = engine(model_dir, "cpu")
-    runner = llm.engine.runner
-    runner.decode_graphs = graphs = runner.make_decode_graphs(llm.engine.max_model_len, capture=False)
+    graphs = with_padded_graphs(llm)
     staging = {t.untyped_storage().data_ptr() for t in (graphs.host_ids, graphs.host_lens, graphs.host_tables)}
     copies, copy_ = [], torch.Tensor.copy_
 
@@ -182,14 +192,14 @@ def test_the_staging_buffers_reach_the_device_in_contiguous_copies(setup, monkey
 
 
 @interpreted
-def test_split_k_shrink_and_grouped_expand_match_eager_steps_and_peft(setup, monkeypatch):
+def test_split_k_shrink_and_grouped_expand_match_eager_steps_and_peft(setup, eager_outputs, monkeypatch):
     """The tiny model's LoRA layers with the shrink split into parts of H_in (16 columns a step, as if on a device of
     64 multiprocessors) and two column tiles per expand program, through the padded buffers and eager prefill
     steps: the plain kernels' tokens and logprobs, and peft's greedy tokens."""
     import kernels.lora.triton_ops as triton_ops
 
     model_dir, peft_model, loras = setup
-    _, expected = generate(engine(model_dir, "cpu"), loras)
+    _, expected = eager_outputs
     monkeypatch.setattr(triton_ops, "FUSE_MAX_REPEATED_K", 0)  # the tiny model's layers would take one launch
     monkeypatch.setattr(triton_ops, "SHRINK_BLOCK_K", 32)  # 16 fp32 columns a step: 4 steps of the model's H_in 64
     monkeypatch.setattr(triton_ops, "multiprocessors", lambda device: 64)
@@ -197,8 +207,7 @@ def test_split_k_shrink_and_grouped_expand_match_eager_steps_and_peft(setup, mon
     parts, partials = [], triton_ops._partials
     monkeypatch.setattr(triton_ops, "_partials", lambda buffer: parts.append(buffer.dim()) or partials(buffer))
     llm = engine(model_dir, "cpu")
-    runner = llm.engine.runner
-    runner.decode_graphs = runner.make_decode_graphs(llm.engine.max_model_len, capture=False)
+    with_padded_graphs(llm)
     batch, ours = generate(llm, loras)
     assert 3 in parts  # some shrinks wrote partial sums
     assert_same_outputs(ours, expected)
@@ -215,16 +224,13 @@ def test_fused_lora_steps_match_two_kernel_steps_and_peft(setup, monkeypatch):
     model_dir, peft_model, loras = setup
     monkeypatch.setattr(triton_ops, "FUSE_MAX_REPEATED_K", 0)
     two_kernels = engine(model_dir, "cpu")
-    two_kernels.engine.runner.decode_graphs = two_kernels.engine.runner.make_decode_graphs(
-        two_kernels.engine.max_model_len, capture=False
-    )
+    with_padded_graphs(two_kernels)
     _, expected = generate(two_kernels, loras)
     monkeypatch.undo()
     fused, launch = [], triton_ops._fused  # the tokens of each fused launch (its y's rows)
     monkeypatch.setattr(triton_ops, "_fused", lambda grid, y, *args: fused.append(y.shape[0]) or launch(grid, y, *args))
     llm = engine(model_dir, "cpu")
-    runner = llm.engine.runner
-    runner.decode_graphs = runner.make_decode_graphs(llm.engine.max_model_len, capture=False)
+    with_padded_graphs(llm)
     batch, ours = generate(llm, loras)
     assert 6 in fused and max(fused) > 6  # padded decode steps and prefill steps went through the fused kernel
     assert_same_outputs(ours, expected)
