@@ -41,7 +41,7 @@ def setup(request, tmp_path_factory, tokenizer):
     return hf, peft_model, llm, loras
 
 
-def cpu_llm(model, dtype: str, num_kv_blocks: int) -> LLM:
+def cpu_llm(model, dtype: str, num_kv_blocks: int, **options) -> LLM:
     """Our engine on the CPU with 4 adapter rows of rank up to 16 (the largest of ADAPTERS)."""
     return LLM(
         model=str(model),
@@ -51,6 +51,7 @@ def cpu_llm(model, dtype: str, num_kv_blocks: int) -> LLM:
         enable_lora=True,
         max_loras=4,
         max_lora_rank=16,
+        **options,
     )
 
 
@@ -162,3 +163,41 @@ def test_cuda_triton_lora_mixed_batch_matches_peft(setup):
         with torch.no_grad():
             logits = peft_model(torch.tensor([prompt]), adapter_names=[name or "__base__"]).logits[0, -1]
         assert out.outputs[0].token_ids[0] == int(logits.argmax())
+
+
+def test_a_step_reuses_the_last_lora_meta_only_while_every_row_is_the_same(setup, monkeypatch):
+    """Two sequence slots, three requests on three adapters: when the first finishes, the third, a one-token prompt,
+    takes its slot, so two-token steps run over rows (a, b), then (c, b) with no step of another size between. Each
+    step's meta must describe that step's rows (a meta reused past the change would apply the wrong adapter), and
+    steady steps reuse one meta."""
+    _, peft_model, shared, loras = setup
+    llm = cpu_llm(shared.engine.config.model, "float32", num_kv_blocks=512, max_num_seqs=2)
+    runner = llm.engine.runner
+    used: list[tuple[list[int], LoraMeta]] = []
+    step_meta = runner._step_lora_meta
+
+    def recording(token_adapter_idx):
+        meta = step_meta(token_adapter_idx)
+        used.append((token_adapter_idx.tolist(), meta))
+        return meta
+
+    monkeypatch.setattr(runner, "_step_lora_meta", recording)
+    names = ["r4-qv", "r8-all-linear", "r8-alpha3-attn"]
+    batch = prompts(runner.arch.vocab_size, 3, seed=11)
+    batch[2] = batch[2][:1]
+    lengths = [4, 12, 6]
+    outs = llm.generate(
+        batch,
+        [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths],
+        lora_request=[loras[n] for n in names],
+    )
+    for prompt, name, n, out in zip(batch, names, lengths, outs):
+        peft_model.set_adapter(name)
+        with torch.no_grad():
+            ref = peft_model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist(), f"adapter {name}"
+    for rows, meta in used:  # every step ran on a meta of its own rows
+        assert meta.token_adapter_idx.tolist() == rows
+    decode_rows = {tuple(rows) for rows, _ in used if len(rows) == 2}
+    assert len(decode_rows) >= 2  # the slot changed hands between two decode batches
+    assert len({id(meta) for _, meta in used}) < len(used)  # and steady steps shared their meta
