@@ -12,7 +12,7 @@ from engine.layers.greedy_head import Int8HeadLayout, Int8ScreenedGreedyHead, Sc
 from engine.llm import LLM
 from engine.sampler import NON_FINITE, Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
-from kernels.sampling import UNDECIDED, screened_greedy_tokens
+from kernels.sampling import UNDECIDED, bf16_logits, bf16_logits_available, screened_greedy_tokens
 from tests.hf_models import make_model
 
 
@@ -53,6 +53,43 @@ def test_a_non_finite_hidden_state_gives_no_token_and_an_overflowed_screen_canno
     tokens = screen(hidden, weight, approx)
     assert tokens[1] == NON_FINITE and tokens[2] == UNDECIDED
     assert tokens[0] == (hidden[0].double() @ weight.double().T).argmax()
+
+
+@pytest.fixture
+def require_bf16_logits(require_cpu_kernel):
+    if not bf16_logits_available():
+        pytest.skip("the one-pass bf16 GEMV needs a CPU with AVX512-BF16")
+
+
+@pytest.mark.parametrize("dim", [64, 100, 576])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_the_bf16_gemv_holds_the_screens_error_bound(rows, dim, require_bf16_logits):
+    """Within the bound the bf16 screen assumes (2^-6 |h| |w_v| + 2^-7 |a_v|) of the exact logits, and one bf16
+    rounding from bf16 inputs summed in fp32; rows past a block of 8 and dims off a multiple of 64 included."""
+    g = torch.Generator().manual_seed(rows * dim)
+    hidden, weight = torch.randn(rows, dim, generator=g) * 3, torch.randn(1003, dim, generator=g) * 0.05
+    got = bf16_logits(hidden.bfloat16(), weight.bfloat16().contiguous()).float()  # [rows, 1003]
+    exact = hidden.double() @ weight.double().T
+    bound = 2**-6 * hidden.double().norm(dim=1)[:, None] * weight.double().norm(dim=1) + 2**-7 * got.abs()
+    assert bool(((got - exact).abs() <= bound).all())
+    of_bf16_inputs = hidden.bfloat16().double() @ weight.bfloat16().double().T
+    torch.testing.assert_close(got.double(), of_bf16_inputs, rtol=2**-8, atol=1e-6)
+
+
+def test_the_bf16_head_takes_the_gemv_at_a_few_rows_and_onednn_above(require_bf16_logits, monkeypatch):
+    from engine.layers import greedy_head
+
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN packs no bf16 weights on this CPU, so the bf16 screened head cannot be built")
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(3000, 64, generator=g) * 0.05
+    head = ScreenedGreedyHead(weight)
+    calls = []
+    monkeypatch.setattr(greedy_head, "bf16_logits", lambda h, w: calls.append(h.shape[0]) or bf16_logits(h, w))
+    for rows in (1, greedy_head.GEMV_ROWS, greedy_head.GEMV_ROWS + 1, 16):
+        hidden = torch.randn(rows, 64, generator=g) * 3
+        assert torch.equal(head.tokens(hidden), (hidden.double() @ weight.double().T).argmax(dim=-1))
+    assert calls == [1, greedy_head.GEMV_ROWS]
 
 
 def int8_screen(hidden: torch.Tensor, weight: torch.Tensor, exact_channels: list[int] = ()) -> torch.Tensor:
@@ -167,6 +204,8 @@ def test_the_engine_gives_the_same_greedy_tokens_with_the_screened_head_as_witho
     finally:
         runner.greedy_head = head
     assert screened == full
+    one = [o.outputs[0].token_ids for o in llm.generate(prompts[-1:], params)]  # a step of one row
+    assert one == full[-1:] and calls[-10:] == [1] * 10
     with_logprobs = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2)
     calls.clear()
     llm.generate(prompts[:1], with_logprobs)

@@ -8,7 +8,9 @@ bf16 GEMM, twice fp32's speed with avx512_bf16 or AMX); `Int8ScreenedGreedyHead`
 VNNI GEMM: 3.8x fp32's speed on a Xeon without bf16), the hidden rows and the head rows each quantized with one
 scale a row. The fp32 dense weight they recheck against is the head's own (tied: the embedding table, shared; else
 kept beside the packed fp32 copy), and a bf16 copy (1.5x the head's fp32 bytes on an untied model) or an int8 copy
-(1.25x) is added.
+(1.25x) is added. At a decode step's few rows (GEMV_ROWS) the bf16 head is one pass of kernels/sampling's GEMV over
+a plain bf16 copy (another half of the fp32 bytes, where the CPU has AVX512-BF16): with one stream it took 0.90 of
+the time per token of W1 with oneDNN's GEMM there, 0.95 of the demo's SmolLM2 (2-core Zen 4, same tokens).
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ import logging
 
 import torch
 
-from kernels.sampling import UNDECIDED, screened_greedy_tokens, screened_greedy_tokens_int8
+from kernels.sampling import (
+    UNDECIDED,
+    bf16_logits,
+    bf16_logits_available,
+    screened_greedy_tokens,
+    screened_greedy_tokens_int8,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +34,10 @@ CALIBRATION_ROWS = 8  # the int8 head's first call with this many rows picks its
 EXACT_CHANNEL_SHARES = (0.0, 1 / 64, 1 / 32, 1 / 16)  # of the hidden size, taken exactly, tried at calibration
 CALIBRATION_VOCAB_STRIDE = 8  # calibration tries the layouts on every 8th head row
 QUANTIZE_ROWS = 4096  # head rows quantized at a time
+# Hidden rows up to which the bf16 screen takes kernels/sampling's one-pass GEMV over a plain bf16 copy of the head
+# rather than oneDNN's prepacked GEMM: on a 2-core AMD Zen 4, W1's head (32000 x 512), weight cold, paired calls,
+# ours / oneDNN's time 0.66-0.88 at 1-3 rows, 0.88-1.05 at 4, 1.02-1.07 at 6, 1.21-1.29 at 16.
+GEMV_ROWS = 3
 
 
 class ScreenedGreedyHead:
@@ -33,16 +45,25 @@ class ScreenedGreedyHead:
         """weight: the LM head's [V, H] fp32 weight, before it is packed."""
         self.weight = weight.detach().contiguous()  # [V, H] fp32 (the same storage as a tied embedding's)
         self.row_norms = self.weight.norm(dim=1)  # [V]
-        self.packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(self.weight.to(torch.bfloat16), 64)
+        weight_bf16 = self.weight.to(torch.bfloat16)  # [V, H]
+        self.packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(weight_bf16, 64)
+        # [V, H] bf16 for the GEMV at GEMV_ROWS rows or fewer, where this CPU has it (the head's bf16 bytes again)
+        self.plain_bf16 = weight_bf16 if bf16_logits_available() else None
 
     def tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [B, H] fp32 -> [B] int64 greedy tokens (-1: the row's logits are not finite); None when the bf16
         screen cannot decide (its logits overflowed) or the kernel is missing: the caller computes full logits."""
-        approx = torch.ops.mkldnn._linear_pointwise(hidden.to(torch.bfloat16), self.packed_bf16, None, "none", [], "")
+        approx = self.approx_logits(hidden.to(torch.bfloat16).contiguous())
         token_ids = screened_greedy_tokens(approx, hidden.contiguous(), self.weight, self.row_norms)  # [B]
         if token_ids is None or bool((token_ids == UNDECIDED).any()):
             return None
         return token_ids
+
+    def approx_logits(self, hidden_bf16: torch.Tensor) -> torch.Tensor:
+        """hidden [B, H] bf16 -> [B, V] bf16 logits, fp32 sums."""
+        if self.plain_bf16 is not None and hidden_bf16.shape[0] <= GEMV_ROWS:
+            return bf16_logits(hidden_bf16, self.plain_bf16)
+        return torch.ops.mkldnn._linear_pointwise(hidden_bf16, self.packed_bf16, None, "none", [], "")
 
 
 class Int8ScreenedGreedyHead:

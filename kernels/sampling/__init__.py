@@ -1,7 +1,7 @@
 """Greedy sampling fused for CPU (csrc/, built with the other C++ kernels by kernels/cpu_native.py): each row's argmax
 and its finiteness in one pass over the logits (`greedy_tokens`), and the greedy tokens of an fp32 LM head screened
 by its bf16 logits (`screened_greedy_tokens`) or its int8 ones (`screened_greedy_tokens_int8`), only the candidates
-computed in fp32."""
+computed in fp32; `bf16_logits`: the bf16 screen's logits at a few rows, one pass over the head (AVX512-BF16)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,18 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor | None:
         return None
     native = cpu_native.load()
     return None if native is None else native.greedy_tokens_cpu(logits)
+
+
+def bf16_logits_available() -> bool:
+    """Whether the C++ kernels are built with `bf16_logits` (a CPU with AVX512-BF16)."""
+    native = cpu_native.load()
+    return native is not None and native.bf16_logits_available()
+
+
+def bf16_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden [B, H] bf16 @ weight.T ([V, H] bf16), both contiguous -> [B, V] bf16, fp32 sums: each head row read
+    once for all B rows, for a decode step's few (needs `bf16_logits_available()`)."""
+    return cpu_native.load().bf16_logits_cpu(hidden, weight)
 
 
 def screened_greedy_tokens(
