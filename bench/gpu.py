@@ -448,26 +448,28 @@ def lora_sweep(x, lora_a, lora_b, y, z, meta, slices, nbytes, device) -> dict[st
     return results
 
 
-def engine_rows(
-    device,
-    dtype_name: str,
-    smoke: bool,
-    profile: bool,
-    out_dir: Path,
-    eager: bool = False,
-    step_tokens=None,
-    unfused: bool = False,
-    keys: tuple[str, ...] = ENGINE_MODELS,
-    graph_variants: bool = False,
-    host_split: bool = False,
-) -> list[dict]:
+@dataclass(frozen=True)
+class EngineOptions:
+    """What the engine section runs besides base and LoRA with decode graphs, from `bench gpu`'s flags: `eager`,
+    both also with enforce_eager; `unfused`, LoRA also with no layer in one launch (built and run under
+    FUSE_MAX_REPEATED_K 0); `graph_variants`, LoRA also with its graphs recorded "serial" and "plain"
+    (lora_linear.GRAPH_LORA); `host_split`, each timed run's host parts (`timed_parts`); `profile`, a profile of
+    each mode; `step_tokens`, the engines' max_num_batched_tokens; `models`, which of ENGINE_MODELS."""
+
+    profile: bool = False
+    eager: bool = False
+    step_tokens: int | None = None
+    unfused: bool = False
+    models: tuple[str, ...] = ENGINE_MODELS
+    graph_variants: bool = False
+    host_split: bool = False
+
+
+def engine_rows(device, dtype_name: str, smoke: bool, out_dir: Path, options: EngineOptions) -> list[dict]:
     """W1 and a bigger random Llama through the offline LLM on the device, base and LoRA (decode steps as CUDA
-    graphs; with `eager`, also both with enforce_eager; with `unfused`, also LoRA with no layer in one launch, built
-    and run under FUSE_MAX_REPEATED_K 0; with `graph_variants`, also LoRA with its graphs recorded "serial" and
-    "plain", lora_linear.GRAPH_LORA; with `host_split`, each timed run's host parts, `timed_parts`). `keys`: which
-    of ENGINE_MODELS. Each mode's engine is built up front and their runs interleave (base, LoRA, base, LoRA...), so
-    that a slow spell of a shared host falls on every mode alike; a ratio is the median of the runs' pairwise
-    ratios."""
+    graphs), and the modes `options` adds. Each mode's engine is built up front and their runs interleave (base,
+    LoRA, base, LoRA...), so that a slow spell of a shared host falls on every mode alike; a ratio is the median of
+    the runs' pairwise ratios."""
     import tempfile
 
     from bench.engine import MODEL_56M
@@ -475,13 +477,13 @@ def engine_rows(
 
     big = dict(MODEL_56M, hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8)
     models = [("W1 56M", MODEL_56M, 64, 128, 64, 8, 8), ("1B-class x8 layers", big, 256, 512, 128, 16, 16)]
-    models = [model for model, key in zip(models, ENGINE_MODELS) if key in keys]
+    models = [model for model, key in zip(models, ENGINE_MODELS) if key in options.models]
     if smoke:
         tiny = dict(MODEL_56M, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
         models = [("smoke", dict(tiny, num_key_value_heads=2), 4, 16, 4, 2, 4)]
-    modes = ("base", "lora", "base-eager", "lora-eager") if eager else ("base", "lora")
-    modes += ("lora-unfused",) if unfused else ()
-    modes += ("lora-graph-serial", "lora-graph-plain") if graph_variants else ()
+    modes = ("base", "lora", "base-eager", "lora-eager") if options.eager else ("base", "lora")
+    modes += ("lora-unfused",) if options.unfused else ()
+    modes += ("lora-graph-serial", "lora-graph-plain") if options.graph_variants else ()
     rows = []
     for name, config, num_prompts, input_len, output_len, num_adapters, rank in models:
         with tempfile.TemporaryDirectory() as tmp:
@@ -492,7 +494,7 @@ def engine_rows(
             for mode in modes:
                 with mode_settings(mode):
                     llms[mode] = make_llm(model_dir, len(adapters), device, dtype_name, mode, input_len + output_len,
-                                          num_prompts, rank, step_tokens)  # fmt: skip
+                                          num_prompts, rank, options.step_tokens)  # fmt: skip
             row["max_num_batched_tokens"] = llms[modes[0]].engine.config.max_num_batched_tokens
             print(f"engine {name}: steps of up to {row['max_num_batched_tokens']} tokens", flush=True)
             gen = torch.Generator().manual_seed(1)
@@ -507,7 +509,7 @@ def engine_rows(
                 for mode, llm in llms.items():
                     steps = step_walls[mode] if run else None
                     totals: dict[str, float] = {}
-                    timing = timed_parts(totals) if host_split and run else contextlib.nullcontext()
+                    timing = timed_parts(totals) if options.host_split and run else contextlib.nullcontext()
                     with mode_settings(mode), timing:
                         wall = timed_generate(llm, prompts, params, loras if "lora" in mode else None, device, steps)
                     if run:
@@ -521,12 +523,12 @@ def engine_rows(
                 print(f"engine {name} {mode}: {row[mode]['tok_s']:.0f} tok/s "
                       f"(runs {', '.join(f'{w:.3f}' for w in walls[mode])} s; median s in steps: "
                       f"{', '.join(f'{kind} {s:.3f}' for kind, s in steps_s.items())})", flush=True)  # fmt: skip
-                if profile:
+                if options.profile:
                     lora = loras if "lora" in mode else None
                     profile_to = out_dir / f"profile-{len(rows)}-{mode}.txt"
                     with mode_settings(mode):
                         row[mode]["profile"] = profile_run(llms[mode], prompts, params, lora, device, profile_to)
-            if host_split:
+            if options.host_split:
                 for mode in modes:
                     row[mode]["host_split_s"] = {part: statistics.median(s) for part, s in parts[mode].items()}
                 print_host_split(name, row)
@@ -534,7 +536,7 @@ def engine_rows(
             row["lora_extra_s"] = extra = lora_extra_seconds(walls, step_walls)
             print(f"engine {name}: LoRA / base {row['lora_over_base']:.2f} (median of paired runs); LoRA's extra "
                   f"seconds a run: {', '.join(f'{k} {s:+.4f}' for k, s in extra.items())}", flush=True)  # fmt: skip
-            if unfused:
+            if options.unfused:
                 row["fused_over_unfused"] = paired_ratio(walls["lora"], walls["lora-unfused"])
                 print(
                     f"engine {name}: LoRA with its small layers in one launch / in two: "
@@ -545,7 +547,7 @@ def engine_rows(
                 if "graph-" in mode:
                     row[f"{mode}_over_lora"] = paired_ratio(walls[mode], walls["lora"])
                     print(f"engine {name}: {mode} / lora (branched graphs): {row[f'{mode}_over_lora']:.3f}", flush=True)
-            if eager:
+            if options.eager:
                 row["eager_lora_over_base"] = paired_ratio(walls["lora-eager"], walls["base-eager"])
                 print(f"engine {name}: eager LoRA / base {row['eager_lora_over_base']:.2f}; graphs / eager: base "
                       f"{paired_ratio(walls['base'], walls['base-eager']):.2f}, LoRA "
@@ -777,10 +779,16 @@ def main(argv: list[str] | None = None) -> dict:
     section("lora", lambda: lora_rows(
         device, dtype, SMOKE_LORA if smoke else LORA_SHAPES, copy_rate, args.sweep, args.lora_quick
     ))  # fmt: skip
-    section("engine", lambda: engine_rows(
-        device, args.dtype, smoke, args.profile, args.json.parent, args.eager, args.max_num_batched_tokens,
-        args.unfused, tuple(args.models.split(",")), args.graph_variants, args.host_split,
-    ))  # fmt: skip
+    engine_options = EngineOptions(
+        profile=args.profile,
+        eager=args.eager,
+        step_tokens=args.max_num_batched_tokens,
+        unfused=args.unfused,
+        models=tuple(args.models.split(",")),
+        graph_variants=args.graph_variants,
+        host_split=args.host_split,
+    )
+    section("engine", lambda: engine_rows(device, args.dtype, smoke, args.json.parent, engine_options))
     results["failures"] = failures
     args.json.write_text(json.dumps(results, indent=2, default=str))
     print(f"saved {args.json}" + (f"; failed sections: {failures}" if failures else ""), flush=True)
