@@ -1,11 +1,14 @@
 """Offline engine throughput: loraplex vs transformers' own `generate` on the same requests, in one run.
 
     loraplex bench engine [--num-prompts 64] [--output-len 64] [--threads 2] [--json out.json] [--profile]
+                          [--host-split]
 
 A random Llama of about 56M parameters (hidden 512, 8 layers, 8 heads / 4 KV heads, intermediate 1408,
 vocab 32000), fp32 on CPU. Workloads: `fixed` (every prompt 128 random tokens) and `varied` (prompt lengths
 uniform in [16, 512]); every request generates exactly `output_len` tokens (ignore_eos), all submitted at once.
-transformers runs all requests as one left-padded batch.
+transformers runs all requests as one left-padded batch. `--profile` adds where loraplex's time goes by op
+(torch.profiler), `--host-split` by part of the step, each part's wall time over one more run (bench/host_split.py:
+scheduling, the runner's inputs and metadata, the decode stack, the LM head, the commit; a part holds its callees).
 """
 
 from __future__ import annotations
@@ -119,6 +122,19 @@ def profile_steps(llm: LLM, prompts: list[list[int]], output_len: int) -> dict[s
     return dict(categories)
 
 
+def split_steps(llm: LLM, prompts: list[list[int]], output_len: int) -> dict[str, dict]:
+    """One run's wall time by part of the step: {"seconds": {"Class.method": s, ..., "wall": s}, "calls": {part:
+    calls}} (each part's time holds its callees'), and the run's engine "steps"."""
+    from bench.host_split import timed_parts
+
+    seconds: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    steps_before = llm.engine.stats.num_steps
+    with timed_parts(seconds, calls):
+        seconds["wall"] = run_loraplex(llm, prompts, output_len)
+    return {"seconds": seconds, "calls": calls, "steps": llm.engine.stats.num_steps - steps_before}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="loraplex bench engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -127,7 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeat", type=int, default=3, help="runs of each; the median is reported")
     parser.add_argument("--workloads", default="fixed,varied")
     parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="also print where loraplex's time goes")
+    parser.add_argument("--profile", action="store_true", help="also print where loraplex's time goes, by op")
+    parser.add_argument("--host-split", action="store_true", help="also by part of the step (one more run)")
     parser.add_argument("--json", type=Path, default=Path("bench-results/engine.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -170,6 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
             results["workloads"][name] = row
             if args.profile:
                 row["profile_s"] = profile_steps(llm, prompts, args.output_len)
+            if args.host_split:
+                row["host_split"] = split_steps(llm, prompts, args.output_len)
     print_table(results)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
@@ -186,6 +205,13 @@ def print_table(results: dict) -> None:
         print(f"{name:<10}{row['prompt_tokens']:>12}{row['loraplex_tok_s']:>16.1f}{hf_s:>20}{ratio:>8}")
         for cat, secs in row.get("profile_s", {}).items():
             print(f"    {cat:<56}{secs:8.2f} s")
+        if "host_split" in row:
+            split = row["host_split"]
+            print(f"    by part of the step, one run of {split['steps']} steps (a part holds its callees):")
+            for part, secs in split["seconds"].items():
+                calls = split["calls"].get(part)
+                each = f"{secs / calls * 1e3:9.3f} ms a call, {calls} calls" if calls else ""
+                print(f"    {part:<40}{secs * 1e3:9.1f} ms {each}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """Where an engine step's host time goes: `timed_parts` adds up the wall time of each of a step's parts (scheduling,
-filling the decode graphs' buffers and copying them, the graph replay, the forward, the sampler, which waits for
-the device's tokens, committing them) while inside, for `bench gpu --host-split`.
+the runner's inputs and metadata, filling the decode graphs' buffers and copying them, the graph replay or the CPU's
+decode stack, the forward, the LM head or the sampler, committing the tokens) while inside, for `bench gpu
+--host-split` and `bench engine --host-split` (CPU).
 
 On a GPU a W1 step is mostly the host's (on an H200, 2026-11-28: ~1.9 ms a decode step, 0.58 of it the graph on the
-device), so what LoRA adds to the host's parts shows here, where torch.profiler's tables only show the launches."""
+device), so what LoRA adds to the host's parts shows here, where torch.profiler's tables only show the launches. On
+a CPU it shows what runs between the kernels: on a 2-core Zen 4 (2026-11-28) it found the LoRA meta's 0.25-0.32 ms
+a W1 decode step, built by numpy run cold after the step's weights streamed through the caches."""
 
 from __future__ import annotations
 
@@ -19,6 +22,10 @@ PARTS = (
     ("engine.scheduler", "Scheduler", "schedule"),
     ("engine.llm_engine", "LLMEngine", "_commit"),
     ("engine.model_runner", "ModelRunner", "execute"),
+    ("engine.model_runner", "ModelRunner", "_prepare"),
+    ("engine.model_runner", "ModelRunner", "_step_lora_meta"),
+    ("engine.layers.decode_stack", "DecodeStack", "__call__"),
+    ("engine.model_runner", "ModelRunner", "greedy_tokens"),
     ("engine.model_runner", "ModelRunner", "logits"),
     ("engine.sampler", "Sampler", "__call__"),
     ("engine.decode_graphs", "DecodeGraphs", "_fill"),
@@ -28,14 +35,15 @@ PARTS = (
 
 
 @contextlib.contextmanager
-def timed_parts(totals: dict[str, float]) -> Iterator[dict[str, float]]:
-    """While inside, each part's calls add their seconds to totals["Class.method"]; the methods are restored after."""
+def timed_parts(totals: dict[str, float], calls: dict[str, int] | None = None) -> Iterator[dict[str, float]]:
+    """While inside, each part's calls add their seconds to totals["Class.method"] (and count in calls[...] when
+    given); the methods are restored after."""
     originals = []
     for module, class_name, method in PARTS:
         owner = getattr(importlib.import_module(module), class_name)
         original = owner.__dict__[method]
         originals.append((owner, method, original))
-        setattr(owner, method, _timed(original, f"{class_name}.{method}", totals))
+        setattr(owner, method, _timed(original, f"{class_name}.{method}", totals, calls))
     try:
         yield totals
     finally:
@@ -43,7 +51,7 @@ def timed_parts(totals: dict[str, float]) -> Iterator[dict[str, float]]:
             setattr(owner, method, original)
 
 
-def _timed(fn, key: str, totals: dict[str, float]):
+def _timed(fn, key: str, totals: dict[str, float], calls: dict[str, int] | None):
     @functools.wraps(fn)
     def timed(*args, **kwargs):
         start = time.perf_counter()
@@ -51,5 +59,7 @@ def _timed(fn, key: str, totals: dict[str, float]):
             return fn(*args, **kwargs)
         finally:
             totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
+            if calls is not None:
+                calls[key] = calls.get(key, 0) + 1
 
     return timed

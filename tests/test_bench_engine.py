@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.engine import op_category, profile_steps
+from bench.engine import op_category, profile_steps, split_steps
 from engine.llm import LLM
 from tests.hf_models import make_model
 
@@ -46,3 +46,23 @@ def test_a_profiled_run_counts_the_decode_stack_as_the_decode_steps_layers(tmp_p
     assert profile[layers] > 0  # the decode steps went through the stack, and were counted as such
     assert profile[op_category("loraplex::packed_linear_cpu")] > 0  # the prefill's linears and every LM head
     assert 0 < profile[layers] < profile["wall"]
+
+
+@pytest.mark.usefixtures("require_cpu_kernel")
+def test_the_host_split_times_each_part_of_the_step_within_the_run(tmp_path, tokenizer):
+    from engine.model_runner import ModelRunner
+
+    make_model(tmp_path / "base", tokenizer, "llama")
+    llm = LLM(model=str(tmp_path / "base"), device="cpu", dtype="float32", num_kv_blocks=64, decode_stack=True)
+    execute = ModelRunner.__dict__["execute"]
+    split = split_steps(llm, [[5, 6, 7, 8], [9, 10, 11]], output_len=4)
+    parts, calls = split["seconds"], split["calls"]
+    assert split["steps"] == calls["LLMEngine.step"] == 4  # both prompts in one step, then three decode steps
+    assert calls["DecodeStack.__call__"] == 3  # the decode steps
+    assert parts["LLMEngine.step"] <= parts["wall"]
+    assert parts["ModelRunner.execute"] <= parts["LLMEngine.step"]
+    assert 0 < parts["DecodeStack.__call__"] < parts["ModelRunner.execute"]  # the decode steps' layers, inside it
+    assert 0 < parts["ModelRunner._prepare"] < parts["ModelRunner.execute"]
+    assert parts["Scheduler.schedule"] > 0 and parts["LLMEngine._commit"] > 0
+    assert "ModelRunner._step_lora_meta" not in parts  # no adapter: no LoRA meta
+    assert ModelRunner.__dict__["execute"] is execute  # the methods are restored afterwards
