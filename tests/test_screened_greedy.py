@@ -198,14 +198,15 @@ def test_the_engine_gives_the_same_greedy_tokens_with_the_screened_head_as_witho
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     screened = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert calls and sum(calls) == 4 * 10  # every step's tokens came from the screened head
+    one = [o.outputs[0].token_ids for o in llm.generate(prompts[-1:], params)]  # steps of one row (the GEMV's)
+    assert calls[-10:] == [1] * 10
     head, runner.greedy_head = runner.greedy_head, None
     try:
         full = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        full_one = [o.outputs[0].token_ids for o in llm.generate(prompts[-1:], params)]
     finally:
         runner.greedy_head = head
-    assert screened == full
-    one = [o.outputs[0].token_ids for o in llm.generate(prompts[-1:], params)]  # a step of one row
-    assert one == full[-1:] and calls[-10:] == [1] * 10
+    assert screened == full and one == full_one
     with_logprobs = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2)
     calls.clear()
     llm.generate(prompts[:1], with_logprobs)
