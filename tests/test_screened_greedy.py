@@ -73,7 +73,7 @@ def test_the_bf16_gemv_holds_the_screens_error_bound(rows, dim, require_bf16_log
     bound = 2**-6 * hidden.double().norm(dim=1)[:, None] * weight.double().norm(dim=1) + 2**-7 * got.abs()
     assert bool(((got - exact).abs() <= bound).all())
     of_bf16_inputs = hidden.bfloat16().double() @ weight.bfloat16().double().T
-    torch.testing.assert_close(got.double(), of_bf16_inputs, rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(got.double(), of_bf16_inputs, rtol=2**-8, atol=1e-4)  # one rounding; fp32 sums
 
 
 def test_the_bf16_head_takes_the_gemv_at_a_few_rows_and_onednn_above(require_bf16_logits, monkeypatch):
