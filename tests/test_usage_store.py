@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+import redis.exceptions
 import sqlalchemy.exc
 from sqlalchemy import select, update
 
@@ -427,6 +428,59 @@ def test_a_commit_whose_answer_was_lost_counts_once(redis_url, redis_key_prefix,
 
     totals, pending, state = asyncio.run(main())
     assert totals == expected(usage(tenant, 8, 4))
+    assert pending == {}
+    assert state == (0, [])
+
+
+def lose_an_answer(store: RedisUsageStore, other: RedisUsageStore, moment: str, retried: bool, meanwhile) -> None:
+    """Makes one Redis call of `store`'s next flush go as a crash or a socket timeout makes it go: the claim's or the
+    start of the commit's script runs in Redis and its answer is lost ('read': the read of the claimed hash fails);
+    meanwhile `other` records `meanwhile`; `retried`: the client's one retry runs the call again and gets its answer."""
+    target, name = {"claim": (store, "_claim"), "read": (store.redis, "hgetall"), "commit": (store, "_start_commit")}[
+        moment
+    ]
+    real = getattr(target, name)
+    calls = 0
+
+    async def call(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            return await real(*args, **kwargs)
+        if moment != "read":
+            await real(*args, **kwargs)
+        await other.record("r2", meanwhile)
+        if retried:
+            return await real(*args, **kwargs)
+        raise redis.exceptions.ConnectionError("Connection closed by server.")
+
+    setattr(target, name, call)
+
+
+@pytest.mark.parametrize(
+    "moment, retried", [("claim", False), ("claim", True), ("read", False), ("commit", False), ("commit", True)]
+)
+def test_a_flush_that_loses_a_redis_answer_loses_no_usage(redis_url, redis_key_prefix, db_url, tenant, moment, retried):
+    """Redis killed, or too slow, in the middle of a flush: the claim it took, or the commit it started, is resolved
+    by the flusher's next flush (not left for stale_claim_s), and a retried script neither drops nor repeats a
+    counter."""
+
+    async def main():
+        db = Database(db_url)
+        store, other = (RedisUsageStore(redis_url, key_prefix=redis_key_prefix) for _ in range(2))
+        await store.record("r1", usage(tenant, 8, 4))
+        lose_an_answer(store, other, moment, retried, usage(tenant, 5, 2))
+        await store.flush(db.rollups)
+        await store.flush(db.rollups)
+        totals, pending = await db.totals(tenant), pending_of(await store.pending(), tenant)
+        state = await flush_state(store)
+        for each in (store, other):
+            await each.close()
+        await db.close()
+        return totals, pending, state
+
+    totals, pending, state = asyncio.run(main())
+    assert totals == expected(usage(tenant, 8, 4), usage(tenant, 5, 2))
     assert pending == {}
     assert state == (0, [])
 

@@ -24,7 +24,9 @@ in `committing` for over `stale_commit_s` (its gateway died) is not waited for.
 Outage: `record` never raises. While Redis is unreachable records wait in a local buffer (keyed by request_id)
 and go to Redis, through the same idempotent script, on the next record or flush after it is back. A final
 flush at shutdown writes a buffer that Redis never took straight to the database. Redis must persist its data
-(appendonly) for unflushed counters to survive a Redis restart.
+(appendonly) for unflushed counters to survive a Redis restart. A command can take in Redis and lose its answer (a
+crash or a timeout after it ran): the client retries it once, so every script gives the same outcome run twice, and a
+flush that lost Redis after its claim hands the claim back on its next flush instead of leaving it to `stale_claim_s`.
 """
 
 from __future__ import annotations
@@ -66,8 +68,10 @@ if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
 end
 return 0
 """
-# KEYS: pending, flushing, claims. ARGV: flush_id, now, claim ttl.
+# KEYS: pending, flushing, claims. ARGV: flush_id, now, claim ttl. A retried claim (its first answer was lost) finds its
+# hash already there and keeps it: renaming pending over it again would drop what the first claim took.
 _CLAIM = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 1 end
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('RENAME', KEYS[1], KEYS[2])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
@@ -83,8 +87,10 @@ redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
 return 1
 """
-# KEYS: claims, committing. ARGV: flush_id, now. Run in the transaction, before its commit.
+# KEYS: claims, committing. ARGV: flush_id, now. Run in the transaction, before its commit; a retry whose first answer
+# was lost finds the flush already in `committing` (only its own flusher moves a flush there).
 _START_COMMIT = """
+if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return 1 end
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 return 1
@@ -290,9 +296,13 @@ class RedisUsageStore(UsageStore):
     async def _flush_pending(self, rollups: UsageRollups) -> dict[UsageKey, UsageCounts]:
         flush_id = uuid.uuid4().hex
         flushing, pending, claims, committing = self._claim_keys(flush_id)
-        if not await self._claim(keys=[pending, flushing, claims], args=[flush_id, time.time(), CLAIM_TTL_S]):
-            return {}
-        counters = _parse_hash(await self.redis.hgetall(flushing))
+        try:
+            if not await self._claim(keys=[pending, flushing, claims], args=[flush_id, time.time(), CLAIM_TTL_S]):
+                return {}
+            counters = _parse_hash(await self.redis.hgetall(flushing))
+        except REDIS_ERRORS:
+            self._unresolved.add(flush_id)  # the claim may have taken (its answer lost): given back on the next flush
+            raise
         commit_started = False
 
         async def commit_if() -> bool:
