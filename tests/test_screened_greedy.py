@@ -8,11 +8,18 @@ import pytest
 import torch
 
 from engine.cpu_features import half_dtype_support, has_int8_dot
-from engine.layers.greedy_head import Int8HeadLayout, Int8ScreenedGreedyHead, ScreenedGreedyHead
+from engine.layers.greedy_head import Int8HeadLayout, Int8ScreenedGreedyHead, ScreenedGreedyHead, _quantize_rows
 from engine.llm import LLM
 from engine.sampler import NON_FINITE, Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
-from kernels.sampling import UNDECIDED, bf16_logits, bf16_logits_available, screened_greedy_tokens
+from kernels.sampling import (
+    UNDECIDED,
+    bf16_logits,
+    bf16_logits_available,
+    int8_logits,
+    int8_logits_available,
+    screened_greedy_tokens,
+)
 from tests.hf_models import make_model
 
 
@@ -84,6 +91,7 @@ def test_the_bf16_head_takes_the_gemv_at_a_few_rows_and_onednn_above(require_bf1
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(3000, 64, generator=g) * 0.05
     head = ScreenedGreedyHead(weight)
+    head.few_rows = None  # as on a CPU without the int8 GEMV (the test below takes it)
     calls = []
     monkeypatch.setattr(greedy_head, "bf16_logits", lambda h, w: calls.append(h.shape[0]) or bf16_logits(h, w))
     for rows in (1, greedy_head.GEMV_ROWS, greedy_head.GEMV_ROWS + 1, 16):
@@ -92,22 +100,98 @@ def test_the_bf16_head_takes_the_gemv_at_a_few_rows_and_onednn_above(require_bf1
     assert calls == [1, greedy_head.GEMV_ROWS]
 
 
-def int8_screen(hidden: torch.Tensor, weight: torch.Tensor, exact_channels: list[int] = ()) -> torch.Tensor:
+@pytest.mark.parametrize("vocab", [3000, 20])
+def test_the_bf16_head_screens_a_few_rows_in_int8_once_calibrated(vocab, require_bf16_logits, monkeypatch):
+    """Steps of one to three rows: oneDNN's bf16 GEMM until the int8 head has gathered its calibration rows, the
+    int8 GEMV after (half the bytes); where the int8 screen turns itself off (a vocabulary too small to pay), the
+    bf16 GEMV. Steps of more rows always take oneDNN's bf16 GEMM. Every token is the fp32 argmax."""
+    from engine.layers import greedy_head
+
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN packs no bf16 weights on this CPU, so the bf16 screened head cannot be built")
+    if not int8_logits_available():
+        pytest.skip("the one-pass int8 GEMV needs a CPU with AVX512-VNNI")
+    g = torch.Generator().manual_seed(vocab)
+    weight = torch.randn(vocab, 64, generator=g) * 0.05
+    head = ScreenedGreedyHead(weight)
+    calls = []
+    for name in ("bf16_logits", "int8_logits"):
+        kernel = getattr(greedy_head, name)
+        monkeypatch.setattr(greedy_head, name, lambda *a, name=name, k=kernel: calls.append(name) or k(*a))
+    for rows in (1, 3, 16, 3, 2, 4, 1):
+        hidden = torch.randn(rows, 64, generator=g) * 3
+        assert torch.equal(head.tokens(hidden), (hidden.double() @ weight.double().T).argmax(dim=-1))
+        calls.append(rows)
+    few = "bf16_logits" if vocab == 20 else "int8_logits"  # calibrated by the call that brings few-row rows to 8
+    assert calls == [1, 3, 16, 3, few, 2, 4, few, 1]
+    assert head.few_rows.off == (vocab == 20) and (head.plain_bf16 is not None) == (vocab == 20)
+
+
+def int8_screen(
+    hidden: torch.Tensor, weight: torch.Tensor, exact_channels: list[int] = (), at_a_time: int | None = None
+) -> torch.Tensor:
+    """The int8 screen's tokens for hidden's rows, `at_a_time` rows a call (a few: the one-pass GEMV's, where the
+    CPU has it; None: all in one call, torch._int_mm's)."""
     layout = Int8HeadLayout(weight.contiguous(), torch.tensor(exact_channels, dtype=torch.long))
-    return layout.screen(hidden)[0]
+    return torch.cat([layout.screen(rows)[0] for rows in hidden.split(at_a_time or hidden.shape[0])])
 
 
+AT_A_TIME = [None, 1, 3]  # rows a call: all at once, and a decode step's few
+
+
+@pytest.fixture
+def require_int8_logits(require_cpu_kernel):
+    if not int8_logits_available():
+        pytest.skip("the one-pass int8 GEMV needs a CPU with AVX512-VNNI")
+
+
+@pytest.mark.parametrize("channels", [None, [0, 5, 63]])
+@pytest.mark.parametrize("dim", [64, 100, 576])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_the_int8_gemv_gives_int_mms_dots_of_the_rows_quantized_as_the_head_quantizes(
+    rows, dim, channels, require_int8_logits
+):
+    """Each hidden row quantized as _quantize_rows does (restricted to its channels, all others dropped) and its int8
+    dot product with each head row, exact; rows past a block of 8 and dims off a multiple of 64 included."""
+    g = torch.Generator().manual_seed(rows * dim)
+    hidden = torch.randn(rows, dim, generator=g) * 3
+    hidden[0, dim // 2] = 90.0  # an outlier: every other value of its row rounds coarsely
+    kept = torch.tensor([k for k in range(dim) if channels is None or k not in channels])
+    part = hidden.index_select(1, kept)  # [rows, Hq]
+    weight = torch.randint(-127, 128, (1003, kept.numel()), dtype=torch.int8, generator=g)
+    dots, terms = int8_logits(hidden, None if channels is None else kept, weight)
+    scale, quantized, error = _quantize_rows(part)
+    assert torch.equal(dots, quantized.to(torch.int32) @ weight.to(torch.int32).T)
+    torch.testing.assert_close(terms, torch.stack([scale, error, part.norm(dim=1)], dim=1), rtol=1e-5, atol=1e-6)
+
+
+def test_the_int8_screen_takes_the_gemv_at_a_few_rows_and_int_mm_above(require_int8_logits, monkeypatch):
+    from engine.layers import greedy_head
+
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(3000, 64, generator=g) * 0.05
+    layout = Int8HeadLayout(weight, torch.tensor([2, 40]))
+    calls = []
+    monkeypatch.setattr(greedy_head, "int8_logits", lambda h, c, w: calls.append(h.shape[0]) or int8_logits(h, c, w))
+    for rows in (1, greedy_head.INT8_GEMV_ROWS, greedy_head.INT8_GEMV_ROWS + 1, 16):
+        hidden = torch.randn(rows, 64, generator=g) * 3
+        assert torch.equal(layout.screen(hidden)[0], (hidden.double() @ weight.double().T).argmax(dim=-1))
+    assert calls == [1, greedy_head.INT8_GEMV_ROWS]
+
+
+@pytest.mark.parametrize("at_a_time", AT_A_TIME)
 @pytest.mark.parametrize("exact_channels", [[], [0, 5, 63]])
 @pytest.mark.parametrize("vocab", [7, 16, 1003, 32000])
-def test_int8_screened_tokens_are_the_fp32_logits_argmax(vocab, exact_channels, require_cpu_kernel):
+def test_int8_screened_tokens_are_the_fp32_logits_argmax(vocab, exact_channels, at_a_time, require_cpu_kernel):
     g = torch.Generator().manual_seed(vocab)
     hidden, weight = torch.randn(24, 64, generator=g) * 3, torch.randn(vocab, 64, generator=g) * 0.05
     hidden[3] = 0.0  # a row of zeros: its scale is the smallest float, every logit 0, token 0
     exact = hidden.double() @ weight.double().T
-    assert torch.equal(int8_screen(hidden, weight, exact_channels), exact.argmax(dim=-1))
+    assert torch.equal(int8_screen(hidden, weight, exact_channels, at_a_time), exact.argmax(dim=-1))
 
 
-def test_near_ties_that_int8_gets_wrong_are_settled_in_fp32(require_cpu_kernel):
+@pytest.mark.parametrize("at_a_time", AT_A_TIME)
+def test_near_ties_that_int8_gets_wrong_are_settled_in_fp32(at_a_time, require_cpu_kernel):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(32, 64, generator=g)
     weight = torch.randn(500, 64, generator=g) * 0.02
@@ -123,10 +207,34 @@ def test_near_ties_that_int8_gets_wrong_are_settled_in_fp32(require_cpu_kernel):
     assert torch.equal(layout.quantized_t.t()[100:132], layout.quantized_t.t()[300:332])
     assert torch.equal(layout.terms[0, 100:132], layout.terms[0, 300:332])  # int8 alone sees ties: it picks 100 + b
     assert torch.equal(exact.argmax(dim=-1), torch.arange(300, 332))
-    assert torch.equal(layout.screen(hidden)[0], exact.argmax(dim=-1))
+    assert torch.equal(int8_screen(hidden, weight, at_a_time=at_a_time), exact.argmax(dim=-1))
 
 
-def test_int8_screen_bounds_hold_where_quantization_errs_most(require_cpu_kernel):
+@pytest.mark.parametrize("at_a_time", AT_A_TIME)
+def test_int8_screen_counts_the_hidden_rows_rounding_error(at_a_time, require_cpu_kernel):
+    """Two head rows exact in int8 (no error of their own), v and v + 1 = v + (channels 1 and 2) - channel 3, and
+    hidden rows whose channels 1, 2, 3 (0.6, 0.6, 1.4 at scale 1) round to 1, 1, 1: int8 puts v + 1 a whole step
+    above v, fp32 puts it 0.2 below. Only the hidden rows' own rounding error (|e_h| |s_v q_v|) keeps v in the
+    running."""
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.rand(6, 64, generator=g) * 2 - 1  # [6, 64]
+    hidden[:, 1:4] = torch.tensor([0.6, 0.6, 1.4])
+    hidden[torch.arange(6), torch.arange(6) + 8] = 127.0  # each row's own largest channel: scale 1; q 1, 1, 1
+    step = 1 / 128  # the head rows' scale (power of two: their int8 values times it are exact)
+    weight = torch.round((torch.rand(300, 64, generator=g) * 2 - 1) * 60) * step  # [300, 64], logits well below
+    for b in range(6):
+        v = 40 * b + 7
+        weight[v] = 0.0
+        weight[v, 8 + b] = 127 * step
+        weight[v + 1] = weight[v]
+        weight[v + 1, 1:4] += torch.tensor([step, step, -step])
+    exact = hidden.double() @ weight.double().T
+    assert torch.equal(exact.argmax(dim=-1), torch.arange(6) * 40 + 7)
+    assert torch.equal(int8_screen(hidden, weight, at_a_time=at_a_time), exact.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("at_a_time", AT_A_TIME)
+def test_int8_screen_bounds_hold_where_quantization_errs_most(at_a_time, require_cpu_kernel):
     """Rows with one outlier each (the scale set by it, every other value rounded coarsely), a head with outliers
     too: the screen's bound must still cover the error, so its tokens stay the fp32 argmax."""
     g = torch.Generator().manual_seed(5)
@@ -134,23 +242,29 @@ def test_int8_screen_bounds_hold_where_quantization_errs_most(require_cpu_kernel
     hidden[torch.arange(16), torch.arange(16)] = 400.0
     weight[::7, 11] = -6.0
     exact = hidden.double() @ weight.double().T
-    assert torch.equal(int8_screen(hidden, weight), exact.argmax(dim=-1))
-    assert torch.equal(int8_screen(hidden, weight, [3, 11, 40]), exact.argmax(dim=-1))
+    assert torch.equal(int8_screen(hidden, weight, at_a_time=at_a_time), exact.argmax(dim=-1))
+    assert torch.equal(int8_screen(hidden, weight, [3, 11, 40], at_a_time), exact.argmax(dim=-1))
 
 
 def test_int8_head_takes_outlier_channels_exactly_and_turns_off_where_it_cannot_pay(require_cpu_kernel, caplog):
-    """Hidden rows like a trained model's (a few channels 400x the rest): the head's calibration takes channels
-    exactly, which leaves few candidates, and its tokens are the fp32 argmax; on a vocabulary too small to pay for
-    the screen it turns itself off (None: the full head)."""
+    """Hidden rows like a trained model's (a few channels 400x the rest): the head's calibration, on the finite rows
+    of its first calls (a stream's steps of one row each), takes channels exactly, which leaves few candidates, and
+    its tokens are the fp32 argmax; on a vocabulary too small to pay for the screen it turns itself off (None: the
+    full head)."""
     g = torch.Generator().manual_seed(3)
     hidden, weight = torch.randn(32, 256, generator=g), torch.randn(20000, 256, generator=g) * 0.05
     hidden[:, [7, 99, 200]] *= 400.0
     weight[:, [7, 99, 200]] /= 400.0  # as in trained heads: the outliers move every logit about alike
     exact = hidden.double() @ weight.double().T
     head = Int8ScreenedGreedyHead(weight)
-    assert head.tokens(hidden[:4]) is None and head.layout is None  # too few rows to calibrate on
+    for b in range(4):  # too few rows to calibrate on: the full head
+        assert head.tokens(hidden[b : b + 1]) is None and head.layout is None
+    not_finite = hidden[4:8].clone()
+    not_finite[1, 3] = float("nan")
+    assert head.tokens(not_finite) is None and head.layout is None  # 7 finite rows gathered: the NaN row is not
     with caplog.at_level("INFO", logger="engine.layers.greedy_head"):
-        assert torch.equal(head.tokens(hidden), exact.argmax(dim=-1))
+        assert torch.equal(head.tokens(hidden[8:10]), exact[8:10].argmax(dim=-1))  # the 8th row: calibrated
+    assert torch.equal(head.tokens(hidden), exact.argmax(dim=-1))
     assert set(head.layout.exact_channels.tolist()) >= {7, 99, 200}
     assert head.layout.screen(hidden)[1].double().mean() < 200  # candidates a row, of 20,000
     assert torch.equal(head.tokens(hidden[:3]), exact[:3].argmax(dim=-1))  # calibrated: any number of rows
@@ -236,6 +350,10 @@ def test_the_runner_builds_the_head_for_fp32_where_bf16_is_native_else_with_vnni
     expected = ScreenedGreedyHead if native_bf16 else Int8ScreenedGreedyHead if int8_dot else type(None)
     model = llm.engine.config.model
     on = LLM(model=model, dtype="float32", device="cpu", num_kv_blocks=16)
-    assert type(on.engine.runner.greedy_head) is expected
+    head = on.engine.runner.greedy_head
+    assert type(head) is expected
+    int8_head = head.few_rows if isinstance(head, ScreenedGreedyHead) else head
+    if int8_head is not None:  # calibrated at start on the runner's own prompt: no request's step pays for it
+        assert (int8_head.layout is not None or int8_head.off) and not int8_head.gathered
     off = LLM(model=model, dtype="float32", device="cpu", num_kv_blocks=16, screened_greedy=False)
     assert off.engine.runner.greedy_head is None

@@ -1,16 +1,20 @@
 """Screened greedy heads: greedy tokens of an fp32 LM head at a fraction of its cost, from a cheaper approximate head.
 
-A decode step's LM head is its largest matmul ([B, H] x [H, V], V = 32-49K): 16% of a W1 run in fp32. When every
-row of a step only wants its argmax (greedy, no logprobs, no penalties), the head runs in lower precision instead,
-and kernels/sampling's screen computes in fp32 only the tokens that the approximation's error bound leaves in the
+A decode step's LM head is its largest matmul ([B, H] x [H, V], V = 32-49K): 16% of a W1 run in fp32. When every row
+of a step only wants its argmax (greedy, no logprobs, no penalties), the head runs in lower precision instead, and
+kernels/sampling's screen computes in fp32 only the tokens that the approximation's error bound leaves in the
 running: the tokens are those of the fp32 logits' argmax. `ScreenedGreedyHead` runs it in bf16 (oneDNN's prepacked
 bf16 GEMM, twice fp32's speed with avx512_bf16 or AMX); `Int8ScreenedGreedyHead` in int8 (torch._int_mm, oneDNN's
 VNNI GEMM: 3.8x fp32's speed on a Xeon without bf16), the hidden rows and the head rows each quantized with one
 scale a row. The fp32 dense weight they recheck against is the head's own (tied: the embedding table, shared; else
 kept beside the packed fp32 copy), and a bf16 copy (1.5x the head's fp32 bytes on an untied model) or an int8 copy
-(1.25x) is added. At a decode step's few rows (GEMV_ROWS) the bf16 head is one pass of kernels/sampling's GEMV over
-a plain bf16 copy (another half of the fp32 bytes, where the CPU has AVX512-BF16): with one stream it took 0.90 of
-the time per token of W1 with oneDNN's GEMM there, 0.95 of the demo's SmolLM2 (2-core Zen 4, same tokens).
+(1.25x) is added. At a decode step's few rows (1-3) the head is a stream of its weight, and the int8 screen reads
+half of bf16's bytes: where the CPU has AVX512-VNNI, the int8 screen quantizes the rows and takes their dot products
+in one pass of kernels/sampling's `int8_logits` (INT8_GEMV_ROWS), and the bf16 head takes those steps in int8 too
+(its `few_rows`, another int8 copy, calibrated at start by the runner). With one stream that took 0.89 of the time
+per token of W1 with the bf16 GEMV there, 0.97 of the demo's SmolLM2 (2-core Zen 4, same tokens). Where the int8
+screen would not pay (its calibration turns it off) the bf16 head's few rows take kernels/sampling's bf16 GEMV over
+a plain bf16 copy made then (AVX512-BF16), 0.90 of oneDNN's time per token of W1 at one stream.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from kernels.sampling import (
     UNDECIDED,
     bf16_logits,
     bf16_logits_available,
+    int8_logits,
+    int8_logits_available,
     screened_greedy_tokens,
     screened_greedy_tokens_int8,
 )
@@ -30,7 +36,7 @@ from kernels.sampling import (
 logger = logging.getLogger(__name__)
 
 INT8_MAX = 127  # symmetric int8: q in [-127, 127]
-CALIBRATION_ROWS = 8  # the int8 head's first call with this many rows picks its layout (fewer: the full head)
+CALIBRATION_ROWS = 8  # finite hidden rows the int8 head gathers over calls to pick its layout (full head till then)
 EXACT_CHANNEL_SHARES = (0.0, 1 / 64, 1 / 32, 1 / 16)  # of the hidden size, taken exactly, tried at calibration
 CALIBRATION_VOCAB_STRIDE = 8  # calibration tries the layouts on every 8th head row
 QUANTIZE_ROWS = 4096  # head rows quantized at a time
@@ -38,30 +44,51 @@ QUANTIZE_ROWS = 4096  # head rows quantized at a time
 # rather than oneDNN's prepacked GEMM: on a 2-core AMD Zen 4, W1's head (32000 x 512), weight cold, paired calls,
 # ours / oneDNN's time 0.66-0.88 at 1-3 rows, 0.88-1.05 at 4, 1.02-1.07 at 6, 1.21-1.29 at 16.
 GEMV_ROWS = 3
+# Hidden rows up to which the int8 screen quantizes them and takes their dot products in one pass of kernels/sampling's
+# `int8_logits` (AVX512-VNNI) rather than a dozen torch ops and torch._int_mm: on that Zen 4, W1's head, weight cold,
+# the whole screen took 0.75-0.84 ms at 1-3 rows against 1.74-2.41 with torch._int_mm (and 1.76-1.95 for the bf16
+# screen with its GEMV); at 4 rows the GEMV alone still took 0.61 ms, the screen's torch path 2.0.
+INT8_GEMV_ROWS = 3
 
 
 class ScreenedGreedyHead:
+    """The head screened by bf16 logits; at a decode step's few rows (GEMV_ROWS) by int8 ones instead where the CPU
+    has the int8 GEMV (`few_rows`, an Int8ScreenedGreedyHead: half the bf16 bytes to read) and its calibration keeps
+    it on, else by the bf16 GEMV over a plain bf16 copy made on first use. Until the int8 head has calibrated (its
+    first CALIBRATION_ROWS rows of few-row steps) those steps take oneDNN's bf16 GEMM."""
+
     def __init__(self, weight: torch.Tensor):
         """weight: the LM head's [V, H] fp32 weight, before it is packed."""
         self.weight = weight.detach().contiguous()  # [V, H] fp32 (the same storage as a tied embedding's)
         self.row_norms = self.weight.norm(dim=1)  # [V]
-        weight_bf16 = self.weight.to(torch.bfloat16)  # [V, H]
-        self.packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(weight_bf16, 64)
-        # [V, H] bf16 for the GEMV at GEMV_ROWS rows or fewer, where this CPU has it (the head's bf16 bytes again)
-        self.plain_bf16 = weight_bf16 if bf16_logits_available() else None
+        self.packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(self.weight.to(torch.bfloat16), 64)
+        self.few_rows = Int8ScreenedGreedyHead(self.weight) if int8_logits_available() else None
+        self.plain_bf16: torch.Tensor | None = None  # [V, H] bf16 for the bf16 GEMV, made on its first use
 
     def tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [B, H] fp32 -> [B] int64 greedy tokens (-1: the row's logits are not finite); None when the bf16
         screen cannot decide (its logits overflowed) or the kernel is missing: the caller computes full logits."""
+        if hidden.shape[0] <= INT8_GEMV_ROWS and self.few_rows is not None and not self.few_rows.off:
+            token_ids = self.few_rows.tokens(hidden)  # None until calibrated, or where int8 cannot decide
+            if token_ids is not None:
+                return token_ids
         approx = self.approx_logits(hidden.to(torch.bfloat16).contiguous())
         token_ids = screened_greedy_tokens(approx, hidden.contiguous(), self.weight, self.row_norms)  # [B]
         if token_ids is None or bool((token_ids == UNDECIDED).any()):
             return None
         return token_ids
 
+    def gather(self, hidden: torch.Tensor) -> None:
+        """hidden [n, H] fp32: rows for the int8 screen's calibration (Int8ScreenedGreedyHead.gather)."""
+        if self.few_rows is not None and self.few_rows.layout is None and not self.few_rows.off:
+            self.few_rows.gather(hidden)
+
     def approx_logits(self, hidden_bf16: torch.Tensor) -> torch.Tensor:
         """hidden [B, H] bf16 -> [B, V] bf16 logits, fp32 sums."""
-        if self.plain_bf16 is not None and hidden_bf16.shape[0] <= GEMV_ROWS:
+        few_rows_int8 = self.few_rows is not None and not self.few_rows.off  # the int8 screen takes (or will)
+        if hidden_bf16.shape[0] <= GEMV_ROWS and not few_rows_int8 and bf16_logits_available():
+            if self.plain_bf16 is None:
+                self.plain_bf16 = self.weight.to(torch.bfloat16)  # [V, H]
             return bf16_logits(hidden_bf16, self.plain_bf16)
         return torch.ops.mkldnn._linear_pointwise(hidden_bf16, self.packed_bf16, None, "none", [], "")
 
@@ -69,23 +96,25 @@ class ScreenedGreedyHead:
 class Int8ScreenedGreedyHead:
     """The head screened by int8 logits. Trained models' final hidden states carry a few outlier channels (SmolLM2's
     largest sits ~40x above the rest): one int8 scale a row would spend its range on them and screen out almost no
-    token. So the first call with CALIBRATION_ROWS rows or more picks how many of the largest channels to take
-    exactly in fp32 (a small GEMM beside the int8 one) by trying EXACT_CHANNEL_SHARES of them on those rows, and keeps
-    the layout with the least estimated cost; where none costs under half the fp32 head's, the screen turns itself
-    off (the full head, logged). Exact whatever the rows: a later outlier costs candidates, never a wrong token."""
+    token. So once it has seen CALIBRATION_ROWS finite hidden rows (the first large batch, or the first steps of one
+    stream; the full head till then), it picks how many of the largest channels to take exactly in fp32 (a small GEMM
+    beside the int8 one) by trying EXACT_CHANNEL_SHARES of them on those rows, and keeps the layout with the least
+    estimated cost; where none costs under half the fp32 head's, the screen turns itself off (the full head, logged).
+    Exact whatever the rows: a later outlier costs candidates, never a wrong token."""
 
     def __init__(self, weight: torch.Tensor):
         """weight: the LM head's [V, H] fp32 weight, before it is packed."""
         self.weight = weight.detach().contiguous()  # [V, H] fp32 (the same storage as a tied embedding's)
         self.layout: Int8HeadLayout | None = None
         self.off = False  # calibrated, and the screen would not pay here
+        self.gathered: list[torch.Tensor] = []  # finite hidden rows of calls before calibration, [n, H] each
 
     def tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [B, H] fp32 -> [B] int64 greedy tokens (-1: the row's logits are not finite); None when the screen
         is not calibrated yet or off, cannot decide (the head holds a NaN or an infinity), or the kernel is missing:
         the caller computes full logits."""
-        if self.layout is None and not self.off and hidden.shape[0] >= CALIBRATION_ROWS:
-            self.layout = self._calibrate(hidden.contiguous())
+        if self.layout is None and not self.off:
+            self.gather(hidden)
         if self.layout is None:
             return None
         screened = self.layout.screen(hidden)
@@ -93,13 +122,21 @@ class Int8ScreenedGreedyHead:
             return None
         return screened[0]
 
+    def gather(self, hidden: torch.Tensor) -> None:
+        """hidden [n, H] fp32: keeps its finite rows; once CALIBRATION_ROWS are kept (the runner's prompt at start,
+        one large batch, or a few steps of one stream), calibrates on them."""
+        finite = hidden[torch.isfinite(hidden).all(dim=1)]  # [n, H], a copy
+        if finite.shape[0]:
+            self.gathered.append(finite)
+        if sum(rows.shape[0] for rows in self.gathered) >= CALIBRATION_ROWS:
+            rows, self.gathered = torch.cat(self.gathered), []
+            self.layout = self._calibrate(rows)
+
     def _calibrate(self, hidden: torch.Tensor) -> Int8HeadLayout | None:
         """The layout of least estimated cost on these rows, tried on every CALIBRATION_VOCAB_STRIDE-th head row (a
         few hundred ms for all of them on the full head), in units of one fp32 dot product of a hidden row and a head
         row: the int8 GEMM (~1/4 of fp32's), the exact channels' fp32 GEMM, and twice each candidate (a scattered
         dot). Then builds the chosen one for the whole head."""
-        if not bool(torch.isfinite(hidden).all()):
-            return None  # no token to learn from: wait for finite rows
         sample = self.weight[::CALIBRATION_VOCAB_STRIDE].contiguous()  # [V / stride, H]
         vocab, dim = sample.shape
         largest = hidden.abs().amax(dim=0).argsort(descending=True)  # [H] channels, largest magnitude first
@@ -152,11 +189,15 @@ class Int8HeadLayout:
         """hidden [B, H] fp32 -> ([B] tokens, [B] candidates a row) from kernels/sampling's int8 screen."""
         hidden = hidden.contiguous()
         split = self.exact_channels.numel() > 0
-        part = hidden.index_select(1, self.quantized_channels) if split else hidden  # [B, H - m]
-        scale, quantized, error = _quantize_rows(part)  # [B], [B, H - m], [B]
-        dots = torch._int_mm(quantized.to(torch.int8), self.quantized_t)  # [B, V] int32, exact
+        if hidden.shape[0] <= INT8_GEMV_ROWS and int8_logits_available():  # one C++ call: quantize, one pass
+            channels = self.quantized_channels if split else None
+            dots, hidden_terms = int8_logits(hidden, channels, self.quantized_t.t())  # [B, V] int32, [B, 3]
+        else:
+            part = hidden.index_select(1, self.quantized_channels) if split else hidden  # [B, H - m]
+            scale, quantized, error = _quantize_rows(part)  # [B], [B, H - m], [B]
+            dots = torch._int_mm(quantized.to(torch.int8), self.quantized_t)  # [B, V] int32, exact
+            hidden_terms = torch.stack([scale, error, part.norm(dim=1)], dim=1)  # [B, 3]
         exact = hidden.index_select(1, self.exact_channels) @ self.exact_t if split else None  # [B, V]
-        hidden_terms = torch.stack([scale, error, part.norm(dim=1)], dim=1)  # [B, 3]
         return screened_greedy_tokens_int8(dots, exact, hidden, hidden_terms, self.weight, self.terms)
 
 

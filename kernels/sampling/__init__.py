@@ -1,7 +1,8 @@
 """Greedy sampling fused for CPU (csrc/, built with the other C++ kernels by kernels/cpu_native.py): each row's argmax
 and its finiteness in one pass over the logits (`greedy_tokens`), and the greedy tokens of an fp32 LM head screened
 by its bf16 logits (`screened_greedy_tokens`) or its int8 ones (`screened_greedy_tokens_int8`), only the candidates
-computed in fp32; `bf16_logits`: the bf16 screen's logits at a few rows, one pass over the head (AVX512-BF16)."""
+computed in fp32; `bf16_logits`: the bf16 screen's logits at a few rows, one pass over the head (AVX512-BF16);
+`int8_logits`: the int8 screen's hidden rows quantized and their dot products at a few rows, likewise (AVX512-VNNI)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,23 @@ def bf16_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """hidden [B, H] bf16 @ weight.T ([V, H] bf16), both contiguous -> [B, V] bf16, fp32 sums: each head row read
     once for all B rows, for a decode step's few (needs `bf16_logits_available()`)."""
     return cpu_native.load().bf16_logits_cpu(hidden, weight)
+
+
+def int8_logits_available() -> bool:
+    """Whether the C++ kernels are built with `int8_logits` (a CPU with AVX512-VNNI)."""
+    native = cpu_native.load()
+    return native is not None and native.int8_logits_available()
+
+
+def int8_logits(
+    hidden: torch.Tensor, channels: torch.Tensor | None, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 screen's inputs at a decode step's few rows: hidden [B, H] fp32 (contiguous), restricted to
+    `channels` ([Hq] int64; None: all H), each row quantized with one scale (x = s_h q_h + e_h), and q_h . q_v for
+    every row of weight ([V, Hq] int8, contiguous), each head row read once. Returns (dots [B, V] int32,
+    hidden_terms [B, 3] fp32: s_h, |e_h|, |x|), as `screened_greedy_tokens_int8` takes them (needs
+    `int8_logits_available()`)."""
+    return cpu_native.load().int8_logits_cpu(hidden, channels, weight)
 
 
 def screened_greedy_tokens(
