@@ -102,9 +102,10 @@ def test_the_bf16_head_takes_the_gemv_at_a_few_rows_and_onednn_above(require_bf1
 
 @pytest.mark.parametrize("vocab", [3000, 20])
 def test_the_bf16_head_screens_a_few_rows_in_int8_once_calibrated(vocab, require_bf16_logits, monkeypatch):
-    """Steps of one to three rows: oneDNN's bf16 GEMM until the int8 head has gathered its calibration rows, the
-    int8 GEMV after (half the bytes); where the int8 screen turns itself off (a vocabulary too small to pay), the
-    bf16 GEMV. Steps of more rows always take oneDNN's bf16 GEMM. Every token is the fp32 argmax."""
+    """Steps of one to three rows: oneDNN's bf16 GEMM until the int8 head has its calibration rows (the runner gives
+    them at start), the int8 GEMV after (half the bytes); where the int8 screen turns itself off (a vocabulary too
+    small to pay), the bf16 GEMV. Steps of more rows always take oneDNN's bf16 GEMM. Every token is the fp32
+    argmax."""
     from engine.layers import greedy_head
 
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -118,12 +119,20 @@ def test_the_bf16_head_screens_a_few_rows_in_int8_once_calibrated(vocab, require
     for name in ("bf16_logits", "int8_logits"):
         kernel = getattr(greedy_head, name)
         monkeypatch.setattr(greedy_head, name, lambda *a, name=name, k=kernel: calls.append(name) or k(*a))
-    for rows in (1, 3, 16, 3, 2, 4, 1):
-        hidden = torch.randn(rows, 64, generator=g) * 3
-        assert torch.equal(head.tokens(hidden), (hidden.double() @ weight.double().T).argmax(dim=-1))
-        calls.append(rows)
-    few = "bf16_logits" if vocab == 20 else "int8_logits"  # calibrated by the call that brings few-row rows to 8
-    assert calls == [1, 3, 16, 3, few, 2, 4, few, 1]
+
+    def kernels_of_steps(*steps: int) -> list[tuple[int, list[str]]]:
+        taken = []
+        for rows in steps:
+            hidden = torch.randn(rows, 64, generator=g) * 3
+            calls.clear()
+            assert torch.equal(head.tokens(hidden), (hidden.double() @ weight.double().T).argmax(dim=-1))
+            taken.append((rows, list(calls)))
+        return taken
+
+    assert kernels_of_steps(1, 3, 16) == [(1, []), (3, []), (16, [])]  # 4 rows of 8 gathered: not calibrated yet
+    head.gather(torch.randn(4, 64, generator=g))
+    few = ["bf16_logits"] if vocab == 20 else ["int8_logits"]
+    assert kernels_of_steps(1, 3, 4, 16, 2) == [(1, few), (3, few), (4, []), (16, []), (2, few)]
     assert head.few_rows.off == (vocab == 20) and (head.plain_bf16 is not None) == (vocab == 20)
 
 
@@ -173,7 +182,7 @@ def test_the_int8_screen_takes_the_gemv_at_a_few_rows_and_int_mm_above(require_i
     layout = Int8HeadLayout(weight, torch.tensor([2, 40]))
     calls = []
     monkeypatch.setattr(greedy_head, "int8_logits", lambda h, c, w: calls.append(h.shape[0]) or int8_logits(h, c, w))
-    for rows in (1, greedy_head.INT8_GEMV_ROWS, greedy_head.INT8_GEMV_ROWS + 1, 16):
+    for rows in (1, greedy_head.INT8_GEMV_ROWS, greedy_head.INT8_GEMV_ROWS + 1, 40):
         hidden = torch.randn(rows, 64, generator=g) * 3
         assert torch.equal(layout.screen(hidden)[0], (hidden.double() @ weight.double().T).argmax(dim=-1))
     assert calls == [1, greedy_head.INT8_GEMV_ROWS]

@@ -8,13 +8,14 @@ bf16 GEMM, twice fp32's speed with avx512_bf16 or AMX); `Int8ScreenedGreedyHead`
 VNNI GEMM: 3.8x fp32's speed on a Xeon without bf16), the hidden rows and the head rows each quantized with one
 scale a row. The fp32 dense weight they recheck against is the head's own (tied: the embedding table, shared; else
 kept beside the packed fp32 copy), and a bf16 copy (1.5x the head's fp32 bytes on an untied model) or an int8 copy
-(1.25x) is added. At a decode step's few rows (1-3) the head is a stream of its weight, and the int8 screen reads
-half of bf16's bytes: where the CPU has AVX512-VNNI, the int8 screen quantizes the rows and takes their dot products
-in one pass of kernels/sampling's `int8_logits` (INT8_GEMV_ROWS), and the bf16 head takes those steps in int8 too
-(its `few_rows`, another int8 copy, calibrated at start by the runner). With one stream that took 0.89 of the time
-per token of W1 with the bf16 GEMV there, 0.97 of the demo's SmolLM2 (2-core Zen 4, same tokens). Where the int8
-screen would not pay (its calibration turns it off) the bf16 head's few rows take kernels/sampling's bf16 GEMV over
-a plain bf16 copy made then (AVX512-BF16), 0.90 of oneDNN's time per token of W1 at one stream.
+(1.25x) is added. At a decode step's few rows the head is a stream of its weight, and the int8 screen reads half of
+bf16's bytes: where the CPU has AVX512-VNNI, the int8 screen quantizes the rows and takes their dot products in one
+pass of kernels/sampling's `int8_logits` (up to INT8_GEMV_ROWS), and the bf16 head takes its steps of 1-3 rows
+(GEMV_ROWS) in int8 too (its `few_rows`, another int8 copy, calibrated at start by the runner). With one stream that
+took 0.92 of the time per token of W1 with the bf16 GEMV there, 0.98 of the demo's SmolLM2 (2-core Zen 4, same
+tokens). Where the int8 screen would not pay (its calibration turns it off) the bf16 head's few rows take
+kernels/sampling's bf16 GEMV over a plain bf16 copy made then (AVX512-BF16), 0.90 of oneDNN's time per token of W1
+at one stream.
 """
 
 from __future__ import annotations
@@ -45,17 +46,20 @@ QUANTIZE_ROWS = 4096  # head rows quantized at a time
 # ours / oneDNN's time 0.66-0.88 at 1-3 rows, 0.88-1.05 at 4, 1.02-1.07 at 6, 1.21-1.29 at 16.
 GEMV_ROWS = 3
 # Hidden rows up to which the int8 screen quantizes them and takes their dot products in one pass of kernels/sampling's
-# `int8_logits` (AVX512-VNNI) rather than a dozen torch ops and torch._int_mm: on that Zen 4, W1's head, weight cold,
-# the whole screen took 0.75-0.84 ms at 1-3 rows against 1.74-2.41 with torch._int_mm (and 1.76-1.95 for the bf16
-# screen with its GEMV); at 4 rows the GEMV alone still took 0.61 ms, the screen's torch path 2.0.
-INT8_GEMV_ROWS = 3
+# `int8_logits` (AVX512-VNNI) rather than a dozen torch ops and torch._int_mm: on that Zen 4, the head's weight cold,
+# the whole screen took 0.70 / 0.76 / 1.04 / 1.84 / 2.52 ms at 1 / 4 / 8 / 16 / 24 rows against 1.29 / 1.81 / 2.13 /
+# 2.59 / 2.98 for W1's head, 1.29 / 1.53 / 2.60 / 4.63 / 6.44 against 2.32 / 4.51 / 4.91 / 5.87 / 6.86 for a SmolLM2
+# sized one with 9 channels exact; in the engine at 8 streams 0.89 (W1) and 0.93 (the demo) of the time per token.
+INT8_GEMV_ROWS = 16
 
 
 class ScreenedGreedyHead:
     """The head screened by bf16 logits; at a decode step's few rows (GEMV_ROWS) by int8 ones instead where the CPU
     has the int8 GEMV (`few_rows`, an Int8ScreenedGreedyHead: half the bf16 bytes to read) and its calibration keeps
-    it on, else by the bf16 GEMV over a plain bf16 copy made on first use. Until the int8 head has calibrated (its
-    first CALIBRATION_ROWS rows of few-row steps) those steps take oneDNN's bf16 GEMM."""
+    it on, else by the bf16 GEMV over a plain bf16 copy made on first use. Until the int8 head has calibrated (the
+    runner gives it its rows at start) those steps take oneDNN's bf16 GEMM. Not above GEMV_ROWS: on that Zen 4 the
+    int8 screen's time per token in the engine was 0.88 and 0.94 of bf16's for W1 at 4 and 8 streams, but 1.00 and
+    1.05 for the demo's SmolLM2 (its exact channels' GEMM and candidates)."""
 
     def __init__(self, weight: torch.Tensor):
         """weight: the LM head's [V, H] fp32 weight, before it is packed."""
@@ -68,7 +72,7 @@ class ScreenedGreedyHead:
     def tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [B, H] fp32 -> [B] int64 greedy tokens (-1: the row's logits are not finite); None when the bf16
         screen cannot decide (its logits overflowed) or the kernel is missing: the caller computes full logits."""
-        if hidden.shape[0] <= INT8_GEMV_ROWS and self.few_rows is not None and not self.few_rows.off:
+        if hidden.shape[0] <= GEMV_ROWS and self.few_rows is not None and not self.few_rows.off:
             token_ids = self.few_rows.tokens(hidden)  # None until calibrated, or where int8 cannot decide
             if token_ids is not None:
                 return token_ids
