@@ -187,13 +187,14 @@ class Int8HeadLayout:
             dequantized_norm = (block_quantized * scale[:, None]).norm(dim=1)  # [R]
             self.terms[:, rows] = torch.stack([scale, error, dequantized_norm, block.norm(dim=1)])
         self.quantized_t = quantized.t()  # [H - m, V]: a [V, H - m] int8 tensor
+        self.one_pass = int8_logits_available()  # kernels/sampling's int8_logits, up to INT8_GEMV_ROWS rows
         self.exact_t = weight.index_select(1, exact_channels).t().contiguous()  # [m, V]
 
     def screen(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """hidden [B, H] fp32 -> ([B] tokens, [B] candidates a row) from kernels/sampling's int8 screen."""
         hidden = hidden.contiguous()
         split = self.exact_channels.numel() > 0
-        if hidden.shape[0] <= INT8_GEMV_ROWS and int8_logits_available():  # one C++ call: quantize, one pass
+        if hidden.shape[0] <= INT8_GEMV_ROWS and self.one_pass:  # one C++ call: quantize, one pass over the head
             channels = self.quantized_channels if split else None
             dots, hidden_terms = int8_logits(hidden, channels, self.quantized_t.t())  # [B, V] int32, [B, 3]
         else:
