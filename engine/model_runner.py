@@ -21,7 +21,12 @@ from engine.cpu_malloc import keep_freed_memory
 from engine.cpu_threads import run_alone
 from engine.decode_graphs import DecodeGraphs
 from engine.layers.decode_stack import DecodeStack
-from engine.layers.greedy_head import CALIBRATION_ROWS, Int8ScreenedGreedyHead, ScreenedGreedyHead
+from engine.layers.greedy_head import (
+    AVX2_MAX_ROWS,
+    CALIBRATION_ROWS,
+    Int8ScreenedGreedyHead,
+    ScreenedGreedyHead,
+)
 from engine.layers.lora_linear import LoRALinear
 from engine.layers.packed_linear import can_pack, pack_linears
 from engine.model_loader import load_model
@@ -33,6 +38,7 @@ from kernels import cpu_native
 from kernels.lora import NO_ADAPTER, LoraMeta
 from kernels.lora.cpu_ops import keep_transposed
 from kernels.paged_attention import PagedAttentionMeta
+from kernels.sampling import int8_logits_available
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +98,7 @@ class ModelRunner:
     def _greedy_head(self) -> ScreenedGreedyHead | Int8ScreenedGreedyHead | None:
         """The screened greedy head where it pays, for an fp32 model on a CPU with the C++ kernels built (off with
         screened_greedy=False): screened by bf16 logits where the CPU has native bf16 matmuls, else by int8 ones
-        where it has int8 dot products (VNNI)."""
+        where it has int8 dot products (VNNI), else by int8 ones at steps of up to AVX2_MAX_ROWS rows (AVX2)."""
         config = self.config
         if not config.screened_greedy or self.device.type != "cpu" or config.torch_dtype != torch.float32:
             return None
@@ -106,6 +112,12 @@ class ModelRunner:
                 "greedy steps take the LM head in int8 (VNNI), screened, only the candidates in fp32 (exact argmax)"
             )
             return Int8ScreenedGreedyHead(self.model.lm_head.weight)
+        if int8_logits_available():  # AVX2: the one-pass int8 GEMV pays at a few rows, torch._int_mm does not
+            logger.info(
+                "greedy steps of up to %d rows take the LM head in int8 (AVX2), screened, only the candidates in fp32",
+                AVX2_MAX_ROWS,
+            )
+            return Int8ScreenedGreedyHead(self.model.lm_head.weight, max_rows=AVX2_MAX_ROWS)
         return None
 
     def _enable_lora(self) -> None:

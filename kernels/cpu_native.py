@@ -9,7 +9,8 @@ sources' directory, their contents, the flags and torch's version (`build_direct
 build, and mark it used. One directory per checkout and version: two checkouts (a work tree and CI's clone) no
 longer rebuild each other's (torch's one directory per name was rebuilt whenever the sources' paths changed), and
 directories unused for STALE_BUILD_DIRECTORY_S are removed. Where it cannot be built (no compiler or ninja),
-`load()` returns None once, with a log line, and callers keep the torch path. LORAPLEX_CPU_KERNELS=0 turns them off.
+`load()` returns None once, with a log line, and callers keep the torch path. LORAPLEX_CPU_KERNELS=0 turns them off;
+LORAPLEX_CPU_MARCH builds them for another target than this CPU (`CFLAGS`).
 A process killed while building leaves torch's build lock behind, and every later build would wait on it forever: a
 lock older than STALE_BUILD_LOCK_S (a build takes under a minute) is removed, with a warning.
 """
@@ -32,7 +33,9 @@ _state: dict[str, Any] = {}
 EXTENSION_NAME = "loraplex_cpu_kernels"
 STALE_BUILD_LOCK_S = 600.0
 STALE_BUILD_DIRECTORY_S = 7 * 86400.0  # a build directory untouched this long (its checkout gone) is removed
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# LORAPLEX_CPU_MARCH: the compiler's target (native: this CPU's). Another one builds apart (the flags are in the build's
+# key); x86-64-v3 on an AVX-512 host is how the tests run the kernels' AVX2 paths.
+CFLAGS = ["-O3", f"-march={os.environ.get('LORAPLEX_CPU_MARCH', 'native')}", "-fopenmp"]
 KERNELS_DIR = Path(__file__).parent
 
 

@@ -4,10 +4,16 @@ tokens are the same with either head as without it."""
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from engine.cpu_features import half_dtype_support, has_int8_dot
+from engine.cpu_features import cpu_flags, half_dtype_support, has_int8_dot
 from engine.layers.greedy_head import Int8HeadLayout, Int8ScreenedGreedyHead, ScreenedGreedyHead, _quantize_rows
 from engine.llm import LLM
 from engine.sampler import NON_FINITE, Sampler, SamplingRow
@@ -21,6 +27,8 @@ from kernels.sampling import (
     screened_greedy_tokens,
 )
 from tests.hf_models import make_model
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def screen(hidden: torch.Tensor, weight: torch.Tensor, approx: torch.Tensor | None = None) -> torch.Tensor:
@@ -282,6 +290,22 @@ def test_int8_head_takes_outlier_channels_exactly_and_turns_off_where_it_cannot_
     assert small.tokens(hidden) is None and small.off
 
 
+def test_an_int8_head_of_a_few_rows_leaves_larger_steps_to_the_full_head(require_int8_logits):
+    """The head a CPU without VNNI gets (max_rows: only the one-pass GEMV pays there): steps of more rows get None
+    (the caller's full head), and gather nothing for the calibration; steps of up to max_rows get the fp32 argmax."""
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(3000, 64, generator=g) * 0.05
+    head = Int8ScreenedGreedyHead(weight, max_rows=4)
+    assert head.tokens(torch.randn(8, 64, generator=g)) is None and head.layout is None and not head.gathered
+    head.gather(torch.randn(8, 64, generator=g))  # the runner's prompt at start
+    for rows, screened in ((5, False), (4, True), (1, True)):
+        hidden = torch.randn(rows, 64, generator=g) * 3
+        tokens = head.tokens(hidden)
+        assert (tokens is not None) == screened
+        if screened:
+            assert torch.equal(tokens, (hidden.double() @ weight.double().T).argmax(dim=-1))
+
+
 def test_int8_screen_without_a_finite_head_or_hidden_state(require_cpu_kernel):
     g = torch.Generator().manual_seed(1)
     hidden, weight = torch.randn(3, 32, generator=g), torch.randn(100, 32, generator=g)
@@ -354,15 +378,34 @@ def test_only_rows_that_read_nothing_but_their_argmax_skip_the_full_logits():
 def test_the_runner_builds_the_head_for_fp32_where_bf16_is_native_else_with_vnni_unless_turned_off(
     llm, require_cpu_kernel
 ):
+    from engine.layers import greedy_head
+
     llm, _ = llm
     native_bf16, int8_dot = half_dtype_support("bfloat16")[0], has_int8_dot()
-    expected = ScreenedGreedyHead if native_bf16 else Int8ScreenedGreedyHead if int8_dot else type(None)
+    int8_few_rows = int8_logits_available()  # the one-pass GEMV: AVX512-VNNI, or AVX2 alone
+    expected = (
+        ScreenedGreedyHead if native_bf16 else Int8ScreenedGreedyHead if int8_dot or int8_few_rows else type(None)
+    )
     model = llm.engine.config.model
     on = LLM(model=model, dtype="float32", device="cpu", num_kv_blocks=16)
     head = on.engine.runner.greedy_head
     assert type(head) is expected
+    if expected is Int8ScreenedGreedyHead:  # without VNNI only steps of a few rows, the GEMV's, are screened
+        assert head.max_rows == (None if int8_dot else greedy_head.AVX2_MAX_ROWS)
     int8_head = head.few_rows if isinstance(head, ScreenedGreedyHead) else head
     if int8_head is not None:  # calibrated at start on the runner's own prompt: no request's step pays for it
         assert (int8_head.layout is not None or int8_head.off) and not int8_head.gathered
     off = LLM(model=model, dtype="float32", device="cpu", num_kv_blocks=16, screened_greedy=False)
     assert off.engine.runner.greedy_head is None
+
+
+def test_the_int8_gemvs_avx2_build_gives_exact_dots_and_the_fp32_argmax(require_cpu_kernel):
+    """The kernels built for x86-64-v3 (AVX2, no AVX-512) in a process of their own: the int8 GEMV's path for CPUs
+    without VNNI (tests/int8_avx2_check.py), which a build for this CPU does not compile where it has VNNI."""
+    if platform.machine() not in ("x86_64", "AMD64") or "avx2" not in cpu_flags():
+        pytest.skip("the AVX2 build runs on an x86-64 CPU with AVX2")
+    env = {**os.environ, "LORAPLEX_CPU_MARCH": "x86-64-v3"}
+    argv = [sys.executable, "-m", "tests.int8_avx2_check"]
+    result = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "int8 GEMV, AVX2 build: ok" in result.stdout

@@ -15,7 +15,8 @@ pass of kernels/sampling's `int8_logits` (up to INT8_GEMV_ROWS), and the bf16 he
 took 0.92 of the time per token of W1 with the bf16 GEMV there, 0.98 of the demo's SmolLM2 (2-core Zen 4, same
 tokens). Where the int8 screen would not pay (its calibration turns it off) the bf16 head's few rows take
 kernels/sampling's bf16 GEMV over a plain bf16 copy made then (AVX512-BF16), 0.90 of oneDNN's time per token of W1
-at one stream.
+at one stream. A CPU with AVX2 and neither bf16 nor VNNI (AMD Zen 3 and older) gets the int8 head for steps of up to
+AVX2_MAX_ROWS rows (the GEMV's AVX2 path; the full fp32 head above).
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ GEMV_ROWS = 3
 # 2.59 / 2.98 for W1's head, 1.29 / 1.53 / 2.60 / 4.63 / 6.44 against 2.32 / 4.51 / 4.91 / 5.87 / 6.86 for a SmolLM2
 # sized one with 9 channels exact; in the engine at 8 streams 0.89 (W1) and 0.93 (the demo) of the time per token.
 INT8_GEMV_ROWS = 16
+# Without VNNI (AVX2) only the GEMV pays, and only up to these rows: kernels built for x86-64-v3 on that Zen 4, the
+# int8 head's time per token in the engine against the full fp32 head's at 1 / 4 / 8 / 16 streams: W1 0.73 / - /
+# 0.95 / 1.05, the demo's SmolLM2 0.89 / 0.91 / 1.01 / 1.05.
+AVX2_MAX_ROWS = 8
 
 
 class ScreenedGreedyHead:
@@ -106,9 +111,11 @@ class Int8ScreenedGreedyHead:
     estimated cost; where none costs under half the fp32 head's, the screen turns itself off (the full head, logged).
     Exact whatever the rows: a later outlier costs candidates, never a wrong token."""
 
-    def __init__(self, weight: torch.Tensor):
-        """weight: the LM head's [V, H] fp32 weight, before it is packed."""
+    def __init__(self, weight: torch.Tensor, max_rows: int | None = None):
+        """weight: the LM head's [V, H] fp32 weight, before it is packed; max_rows: the most hidden rows a call
+        screens (more: None, the full head), where only the one-pass GEMV pays (a CPU without VNNI)."""
         self.weight = weight.detach().contiguous()  # [V, H] fp32 (the same storage as a tied embedding's)
+        self.max_rows = max_rows
         self.layout: Int8HeadLayout | None = None
         self.off = False  # calibrated, and the screen would not pay here
         self.gathered: list[torch.Tensor] = []  # finite hidden rows of calls before calibration, [n, H] each
@@ -117,6 +124,8 @@ class Int8ScreenedGreedyHead:
         """hidden [B, H] fp32 -> [B] int64 greedy tokens (-1: the row's logits are not finite); None when the screen
         is not calibrated yet or off, cannot decide (the head holds a NaN or an infinity), or the kernel is missing:
         the caller computes full logits."""
+        if self.max_rows is not None and hidden.shape[0] > self.max_rows:
+            return None
         if self.layout is None and not self.off:
             self.gather(hidden)
         if self.layout is None:
