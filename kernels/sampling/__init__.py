@@ -2,7 +2,7 @@
 and its finiteness in one pass over the logits (`greedy_tokens`), and the greedy tokens of an fp32 LM head screened
 by its bf16 logits (`screened_greedy_tokens`) or its int8 ones (`screened_greedy_tokens_int8`), only the candidates
 computed in fp32; `bf16_logits`: the bf16 screen's logits at a few rows, one pass over the head (AVX512-BF16);
-`int8_logits`: the int8 screen's hidden rows quantized and their dot products at a few rows, likewise (AVX512-VNNI)."""
+`int8_logits`: the int8 screen's hidden rows quantized and their dot products at a few rows, likewise (VNNI or AVX2)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def bf16_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def int8_logits_available() -> bool:
-    """Whether the C++ kernels are built with `int8_logits` (a CPU with AVX512-VNNI)."""
+    """Whether the C++ kernels are built with `int8_logits` (a CPU with AVX512-VNNI, or AVX2)."""
     native = cpu_native.load()
     return native is not None and native.int8_logits_available()
 
