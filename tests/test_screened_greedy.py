@@ -119,7 +119,7 @@ def test_the_bf16_head_screens_a_few_rows_in_int8_once_calibrated(vocab, require
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("oneDNN packs no bf16 weights on this CPU, so the bf16 screened head cannot be built")
     if not int8_logits_available():
-        pytest.skip("the one-pass int8 GEMV needs a CPU with AVX512-VNNI")
+        pytest.skip("the one-pass int8 GEMV needs a CPU with AVX512-VNNI or AVX2")
     g = torch.Generator().manual_seed(vocab)
     weight = torch.randn(vocab, 64, generator=g) * 0.05
     head = ScreenedGreedyHead(weight)
@@ -147,8 +147,8 @@ def test_the_bf16_head_screens_a_few_rows_in_int8_once_calibrated(vocab, require
 def int8_screen(
     hidden: torch.Tensor, weight: torch.Tensor, exact_channels: list[int] = (), at_a_time: int | None = None
 ) -> torch.Tensor:
-    """The int8 screen's tokens for hidden's rows, `at_a_time` rows a call (a few: the one-pass GEMV's, where the
-    CPU has it; None: all in one call, torch._int_mm's)."""
+    """The int8 screen's tokens for hidden's rows, `at_a_time` rows a call (None: all in one call; the one-pass GEMV
+    takes calls of up to INT8_GEMV_ROWS rows where the CPU has it, torch._int_mm larger ones)."""
     layout = Int8HeadLayout(weight.contiguous(), torch.tensor(exact_channels, dtype=torch.long))
     return torch.cat([layout.screen(rows)[0] for rows in hidden.split(at_a_time or hidden.shape[0])])
 
@@ -159,7 +159,7 @@ AT_A_TIME = [None, 1, 3]  # rows a call: all at once, and a decode step's few
 @pytest.fixture
 def require_int8_logits(require_cpu_kernel):
     if not int8_logits_available():
-        pytest.skip("the one-pass int8 GEMV needs a CPU with AVX512-VNNI")
+        pytest.skip("the one-pass int8 GEMV needs a CPU with AVX512-VNNI or AVX2")
 
 
 @pytest.mark.parametrize("channels", [None, [0, 5, 63]])
