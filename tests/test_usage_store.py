@@ -485,6 +485,45 @@ def test_a_flush_that_loses_a_redis_answer_loses_no_usage(redis_url, redis_key_p
     assert state == (0, [])
 
 
+def test_a_record_whose_answer_was_lost_counts_once_in_reports(redis_url, redis_key_prefix, db_url, tenant):
+    """A record's write ran in Redis but its answer was lost (Redis killed, or a timeout): the record also waits in
+    the process's buffer until Redis answers again. A report meanwhile counts it once (the buffer's copy is dropped
+    where Redis holds the request), and the flush writes it once."""
+
+    async def main():
+        db = Database(db_url)
+        store = RedisUsageStore(redis_url, key_prefix=redis_key_prefix)
+        await store.record("r1", usage(tenant, 8, 4))
+        real = store._record
+
+        async def ran_then_lost(*args, **kwargs):
+            await real(*args, **kwargs)
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+
+        store._record = ran_then_lost
+        await store.record("r2", usage(tenant, 5, 2))
+        store._record = real
+        await store.record("r3", usage(tenant, 3, 1))  # Redis taken as down for retry_interval_s: buffered
+        buffered = sorted(store._buffer)
+        pending = pending_of(await store.pending(), tenant)
+
+        async def read() -> None:
+            return None
+
+        _, reported = await store.read_with_pending(read)
+        await store.flush(db.rollups)
+        totals, after = await db.totals(tenant), pending_of(await store.pending(), tenant)
+        await store.close()
+        await db.close()
+        return buffered, pending, pending_of(reported, tenant), totals, after
+
+    buffered, pending, reported, totals, after = asyncio.run(main())
+    records = (usage(tenant, 8, 4), usage(tenant, 5, 2), usage(tenant, 3, 1))
+    assert buffered == ["r2", "r3"]
+    assert pending == reported == expected(*records)
+    assert totals == expected(*records) and after == {}
+
+
 def test_a_slow_commit_is_not_settled_under_it(redis_url, redis_key_prefix, db_url, tenant):
     """A flusher alive but slow to commit, past another gateway's stale_commit_s: the other's settle waits for its
     transaction (the flush_id's row is locked) and finds it committed, instead of giving the counters back."""

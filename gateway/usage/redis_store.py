@@ -112,11 +112,15 @@ redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 return redis.call('INCR', KEYS[3])
 """
-# KEYS: flushes, committing, pending, claims. ARGV: flushing key prefix, oldest live commit time, with hashes (0/1).
-# Returns [flushes, committing, pending hash, claimed hashes...].
+# KEYS: flushes, committing, pending, claims. ARGV: flushing key prefix, oldest live commit time, with hashes (0/1),
+# seen key prefix, then request ids of the caller's buffer. Returns [flushes, committing] and, with hashes, [whether
+# Redis holds each of those requests (0/1), pending hash, claimed hashes...].
 _SNAPSHOT = """
 local out = {redis.call('GET', KEYS[1]) or '0', redis.call('ZCOUNT', KEYS[2], ARGV[2], '+inf')}
 if ARGV[3] == '1' then
+  local held = {}
+  for i = 5, #ARGV do held[#held + 1] = redis.call('EXISTS', ARGV[4] .. ARGV[i]) end
+  table.insert(out, held)
   table.insert(out, redis.call('HGETALL', KEYS[3]))
   for _, id in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do
     table.insert(out, redis.call('HGETALL', ARGV[1] .. id))
@@ -359,45 +363,55 @@ class RedisUsageStore(UsageStore):
 
     async def pending(self) -> dict[UsageKey, UsageCounts]:
         try:
-            _, _, *hashes = await self._read_snapshot(with_hashes=True)
+            _, _, hashes, held = await self._read_snapshot(with_hashes=True)
         except REDIS_ERRORS as e:
             logger.warning("usage: Redis unreachable, pending counters are this process's only: %s", e)
-            hashes = []
-        return self._pending_of(hashes)
+            hashes, held = [], set()
+        return self._pending_of(hashes, held)
 
     async def read_with_pending(self, read: Callable[[], Awaitable[T]]) -> tuple[T, dict[UsageKey, UsageCounts]]:
         for attempt in range(REPORT_TRIES):
             if attempt:
                 await asyncio.sleep(REPORT_RETRY_S)
             try:
-                flushes, committing, *hashes = await self._read_snapshot(with_hashes=True)
+                flushes, committing, hashes, held = await self._read_snapshot(with_hashes=True)
             except REDIS_ERRORS as e:
                 logger.warning("usage: Redis unreachable, pending counters are this process's only: %s", e)
-                return await read(), self._pending_of([])
+                return await read(), self._pending_of([], set())
             if committing:
                 continue
-            pending = self._pending_of(hashes)
+            pending = self._pending_of(hashes, held)
             rollups = await read()
             try:
-                settled = await self._read_snapshot(with_hashes=False) == [flushes, 0]
+                settled = (await self._read_snapshot(with_hashes=False))[:2] == (flushes, 0)
             except REDIS_ERRORS as e:
                 logger.warning("usage: Redis unreachable as a report read; it may count a flush twice: %s", e)
                 return rollups, pending
             if settled:
                 return rollups, pending
         logger.warning("usage: flushes kept committing while a report read; it may count one flush twice")
-        return await read(), self._pending_of(hashes)
+        return await read(), self._pending_of(hashes, held)
 
-    def _pending_of(self, hashes: list) -> dict[UsageKey, UsageCounts]:
-        """The snapshot's pending and claimed hashes plus this process's buffer, read after them: a record Redis took
-        in between is then missed (it is newer), never counted twice."""
-        return merge_counters(*map(_parse_hash, hashes), self._buffer_counters(self._buffer))
+    def _pending_of(self, hashes: list, held: set[str]) -> dict[UsageKey, UsageCounts]:
+        """The snapshot's pending and claimed hashes plus this process's buffer, read after them, less the buffered
+        requests Redis held at the snapshot (`held`: a record whose write ran in Redis but whose answer was lost sits
+        in both until the buffer drains): a record Redis took in between is then missed (it is newer), never counted
+        twice."""
+        buffered = {request_id: record for request_id, record in self._buffer.items() if request_id not in held}
+        return merge_counters(*map(_parse_hash, hashes), self._buffer_counters(buffered))
 
-    async def _read_snapshot(self, with_hashes: bool) -> list:
+    async def _read_snapshot(self, with_hashes: bool) -> tuple[int, int, list, set[str]]:
+        """(flushes, committing, and with_hashes: the pending and claimed hashes, and which requests of this
+        process's buffer Redis holds already)."""
         keys = [self._keys + name for name in ("flushes", "committing", "pending", "claims")]
-        args = [self._keys + "flushing:", time.time() - self.stale_commit_s, int(with_hashes)]
-        flushes, committing, *hashes = await self._snapshot(keys=keys, args=args)
-        return [int(flushes), int(committing), *hashes]
+        buffered = list(self._buffer) if with_hashes else []
+        args = [self._keys + "flushing:", time.time() - self.stale_commit_s, int(with_hashes), self._keys + "seen:"]
+        flushes, committing, *rest = await self._snapshot(keys=keys, args=[*args, *buffered])
+        if not with_hashes:
+            return int(flushes), int(committing), [], set()
+        held_flags, *hashes = rest
+        held = {request_id for request_id, flag in zip(buffered, held_flags, strict=True) if int(flag)}
+        return int(flushes), int(committing), hashes, held
 
     async def close(self) -> None:
         await asyncio.gather(*self._in_flight, return_exceptions=True)
