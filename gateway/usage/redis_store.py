@@ -19,7 +19,8 @@ database's `usage_flushes`: its flush_id's row says the transaction committed (t
 
 Report: pending and claimed hashes in one script, then the database, then the `flushes` count again; it reads
 again while a flush is committing or when one committed in between, so no counter is counted twice or missed. A flush
-in `committing` for over `stale_commit_s` (its gateway died) is not waited for.
+in `committing` for over `stale_commit_s` (its gateway died) is not waited for. The same script says which requests
+of this process's buffer Redis holds already (a write that ran but lost its answer): the report counts those once.
 
 Outage: `record` never raises. While Redis is unreachable records wait in a local buffer (keyed by request_id)
 and go to Redis, through the same idempotent script, on the next record or flush after it is back. A final
