@@ -72,12 +72,18 @@ class ScreenedGreedyHead:
         self.row_norms = self.weight.norm(dim=1)  # [V]
         self.packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(self.weight.to(torch.bfloat16), 64)
         self.few_rows = Int8ScreenedGreedyHead(self.weight) if int8_logits_available() else None
+        self.bf16_gemv = bf16_logits_available()  # kernels/sampling's bf16_logits, up to GEMV_ROWS rows
         self.plain_bf16: torch.Tensor | None = None  # [V, H] bf16 for the bf16 GEMV, made on its first use
+
+    @property
+    def int8_few_rows(self) -> bool:
+        """Whether steps of up to GEMV_ROWS rows go to the int8 screen (or will, once it has calibrated)."""
+        return self.few_rows is not None and not self.few_rows.off
 
     def tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [B, H] fp32 -> [B] int64 greedy tokens (-1: the row's logits are not finite); None when the bf16
         screen cannot decide (its logits overflowed) or the kernel is missing: the caller computes full logits."""
-        if hidden.shape[0] <= GEMV_ROWS and self.few_rows is not None and not self.few_rows.off:
+        if hidden.shape[0] <= GEMV_ROWS and self.int8_few_rows:
             token_ids = self.few_rows.tokens(hidden)  # None until calibrated, or where int8 cannot decide
             if token_ids is not None:
                 return token_ids
@@ -89,13 +95,12 @@ class ScreenedGreedyHead:
 
     def gather(self, hidden: torch.Tensor) -> None:
         """hidden [n, H] fp32: rows for the int8 screen's calibration (Int8ScreenedGreedyHead.gather)."""
-        if self.few_rows is not None and self.few_rows.layout is None and not self.few_rows.off:
+        if self.few_rows is not None:
             self.few_rows.gather(hidden)
 
     def approx_logits(self, hidden_bf16: torch.Tensor) -> torch.Tensor:
         """hidden [B, H] bf16 -> [B, V] bf16 logits, fp32 sums."""
-        few_rows_int8 = self.few_rows is not None and not self.few_rows.off  # the int8 screen takes (or will)
-        if hidden_bf16.shape[0] <= GEMV_ROWS and not few_rows_int8 and bf16_logits_available():
+        if hidden_bf16.shape[0] <= GEMV_ROWS and self.bf16_gemv and not self.int8_few_rows:
             if self.plain_bf16 is None:
                 self.plain_bf16 = self.weight.to(torch.bfloat16)  # [V, H]
             return bf16_logits(hidden_bf16, self.plain_bf16)
@@ -126,8 +131,7 @@ class Int8ScreenedGreedyHead:
         the caller computes full logits."""
         if self.max_rows is not None and hidden.shape[0] > self.max_rows:
             return None
-        if self.layout is None and not self.off:
-            self.gather(hidden)
+        self.gather(hidden)
         if self.layout is None:
             return None
         screened = self.layout.screen(hidden)
@@ -137,7 +141,9 @@ class Int8ScreenedGreedyHead:
 
     def gather(self, hidden: torch.Tensor) -> None:
         """hidden [n, H] fp32: keeps its finite rows; once CALIBRATION_ROWS are kept (the runner's prompt at start,
-        one large batch, or a few steps of one stream), calibrates on them."""
+        one large batch, or a few steps of one stream), calibrates on them. Nothing once calibrated (or off)."""
+        if self.layout is not None or self.off:
+            return
         finite = hidden[torch.isfinite(hidden).all(dim=1)]  # [n, H], a copy
         if finite.shape[0]:
             self.gathered.append(finite)

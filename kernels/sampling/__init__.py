@@ -22,10 +22,15 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor | None:
     return None if native is None else native.greedy_tokens_cpu(logits)
 
 
+def _built_with(available_op: str) -> bool:
+    """Whether the C++ kernels are built and their op `available_op` (a flag of the build) says yes."""
+    native = cpu_native.load()
+    return native is not None and getattr(native, available_op)()
+
+
 def bf16_logits_available() -> bool:
     """Whether the C++ kernels are built with `bf16_logits` (a CPU with AVX512-BF16)."""
-    native = cpu_native.load()
-    return native is not None and native.bf16_logits_available()
+    return _built_with("bf16_logits_available")
 
 
 def bf16_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -36,8 +41,7 @@ def bf16_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def int8_logits_available() -> bool:
     """Whether the C++ kernels are built with `int8_logits` (a CPU with AVX512-VNNI, or AVX2)."""
-    native = cpu_native.load()
-    return native is not None and native.int8_logits_available()
+    return _built_with("int8_logits_available")
 
 
 def int8_logits(
