@@ -85,3 +85,17 @@ def panel_linear_wins(flags: frozenset[str] | None = None, identity: tuple[str, 
     if "avx512f" not in flags:
         return True
     return (cpu_identity() if identity is None else identity) == ("AuthenticAMD", ZEN_FAMILY)
+
+
+def bf16_panel_linear_wins(flags: frozenset[str] | None = None, identity: tuple[str, int | None] | None = None) -> bool:
+    """Whether kernels/linear's bf16 panel kernel runs bf16 linears faster than oneDNN here (PackedLinear then picks
+    it): on AMD Zen 4 (avx512_bf16, no AMX), where oneDNN streams a decode step's bf16 weights at 12-15 GB/s at 1-8
+    rows (W1's 32 body GEMMs, 47 MB, cold: 3.1-3.8 ms) and the panels at 21-23 (2.05-2.18 ms, 0.57-0.66 of oneDNN's
+    time), 0.77-0.80 at 16-32 rows, 0.91 at 64, 1.04-1.10 at 256-2048; in the engine, bf16 W1 at one stream 0.68 of
+    the time, even at 64, the demo's SmolLM2 0.70 at one stream and 0.93 at 32 (2026-11-28, family 25 model 17). CPUs
+    with AMX keep oneDNN (its AMX tiles), and so do the others with avx512_bf16 until measured (Zen 5 kept oneDNN for
+    fp32)."""
+    flags = cpu_flags() if flags is None else flags
+    if "avx512_bf16" not in flags or "amx_bf16" in flags:
+        return False
+    return (cpu_identity() if identity is None else identity) == ("AuthenticAMD", ZEN_FAMILY)

@@ -34,6 +34,15 @@ def test_the_panel_linear_is_for_avx2_cpus_without_avx512_and_for_zen_4():
     assert not wins(AVX2_ONLY - {"fma"}, ("AuthenticAMD", 25)) and not wins(frozenset(), ("", None))
 
 
+def test_the_bf16_panel_linear_is_for_zen_4_only():
+    wins = cpu_features.bf16_panel_linear_wins
+    assert wins(ZEN_4, ("AuthenticAMD", 25))  # avx512_bf16 without AMX: VDPBF16PS over the panels
+    assert not wins(SAPPHIRE_RAPIDS, ("GenuineIntel", 6))  # AMX: oneDNN's tiles
+    assert not wins(ZEN_4 - {"avx512_bf16"}, ("AuthenticAMD", 25))  # no native bf16: bf16 is not packed at all
+    assert not wins(ZEN_4, ("AuthenticAMD", 26)) and not wins(ZEN_4, ("GenuineIntel", 6))  # not measured: oneDNN
+    assert not wins(AVX2_ONLY, ("AuthenticAMD", 25)) and not wins(frozenset(), ("", None))
+
+
 def test_the_cpu_identity_comes_from_proc_cpuinfo():
     vendor, family = cpu_features.cpu_identity()
     assert (vendor, family) == ("", None) or (vendor and (family is None or family > 0))

@@ -4,8 +4,10 @@ native bf16 matmuls).
 Same math as `F.linear` (only the summation order differs), but a blocked weight layout makes the small-batch GEMMs
 of decode 1.3-2.5x faster on CPU (the LM head most of all). Two layouts: oneDNN's (opaque, its own kernels), and for
 fp32 where `engine.cpu_features.panel_linear_wins` (AVX2 CPUs without AVX-512, AMD Zen 4), kernels/linear's panels
-of 16 columns, whose kernel runs decode shapes another 1.1-1.4x faster than oneDNN's there. The runner swaps these
-in after loading, as gpt-fast swaps in its quantized linears; CUDA and other half precision keep nn.Linear.
+of 16 columns, whose kernel runs decode shapes another 1.1-1.4x faster than oneDNN's there; and for bf16 where
+`engine.cpu_features.bf16_panel_linear_wins` (AMD Zen 4), the same panels with k in pairs for VDPBF16PS, which stream
+a decode step's weights at 1-8 rows in ~0.6 of oneDNN's time. The runner swaps these in after loading, as gpt-fast
+swaps in its quantized linears; CUDA and other half precision keep nn.Linear.
 """
 
 from __future__ import annotations
@@ -16,21 +18,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.cpu_features import half_dtype_support, panel_linear_wins
-from kernels.linear import PANEL_WIDTH, panel_linear_ops
+from engine.cpu_features import bf16_panel_linear_wins, half_dtype_support, panel_linear_wins
+from kernels.linear import PANEL_WIDTH, bf16_panel_linear_ops, panel_linear_ops
 
 logger = logging.getLogger(__name__)
 
 
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, panel_ops: Any = None):
-        """panel_ops: kernels/linear's ops to pack into panels of 16 columns (fp32, out_features a multiple of 16);
-        None: oneDNN's layout."""
+        """panel_ops: kernels/linear's ops to pack into panels of 16 columns (fp32 or bf16, out_features a multiple
+        of 16); None: oneDNN's layout."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()  # [out, in]
         self.panel_ops = panel_ops
-        if panel_ops is not None:
+        if panel_ops is not None and weight.dtype == torch.bfloat16:
+            self.packed_weight = panel_ops.pack_linear_weight_bf16_cpu(weight)  # [out / 16, ceil(in / 2), 16, 2]
+        elif panel_ops is not None:
             self.packed_weight = panel_ops.pack_linear_weight_cpu(weight)  # [out / 16, in, 16]
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 64)  # opaque oneDNN layout
@@ -59,11 +63,15 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def panel_ops_for(linear: nn.Linear) -> Any:
-    """kernels/linear's ops where they beat oneDNN for this linear (fp32 on a CPU where `panel_linear_wins`, the
-    kernel built, out_features a multiple of 16), else None."""
-    if linear.weight.dtype != torch.float32 or linear.out_features % PANEL_WIDTH or not panel_linear_wins():
+    """kernels/linear's ops where they beat oneDNN for this linear (fp32 on a CPU where `panel_linear_wins`, bf16
+    where `bf16_panel_linear_wins`; the kernel built, out_features a multiple of 16), else None."""
+    if linear.out_features % PANEL_WIDTH:
         return None
-    return panel_linear_ops()
+    if linear.weight.dtype == torch.float32 and panel_linear_wins():
+        return panel_linear_ops()
+    if linear.weight.dtype == torch.bfloat16 and bf16_panel_linear_wins():
+        return bf16_panel_linear_ops()
+    return None
 
 
 def pack_linears(model: nn.Module) -> int:

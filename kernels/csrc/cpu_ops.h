@@ -14,5 +14,7 @@ void lora_add_cpu(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, c
                   const at::Tensor& idx, const at::Tensor& order, const std::optional<at::Tensor>& row_ranks,
                   at::IntArrayRef slice_bounds);
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
+at::Tensor packed_linear_bf16_cpu(const at::Tensor& x, const at::Tensor& packed,
+                                  const std::optional<at::Tensor>& bias);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);

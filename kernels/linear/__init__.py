@@ -8,6 +8,10 @@ without AVX-512 it runs a decode step's GEMMs 1.1-1.25x faster than oneDNN's fp3
 off by LORAPLEX_CPU_KERNELS=0), else None. Its ops:
   pack_linear_weight_cpu(weight [N, K] fp32) -> [N / 16, K, 16]   (N a multiple of 16)
   packed_linear_cpu(x [M, K] fp32, packed, bias [N]?) -> [M, N]
+and in bf16 (csrc/linear_bf16_cpu.cpp, AVX512-BF16: VDPBF16PS over panels of 16 columns with k in pairs; sums in
+fp32, rounded to bf16 once; `engine.cpu_features.bf16_panel_linear_wins` says where it is used):
+  pack_linear_weight_bf16_cpu(weight [N, K] bf16) -> [N / 16, ceil(K / 2), 16, 2]
+  packed_linear_cpu(x [M, K] bf16, that packed weight, bias [N] bf16?) -> [M, N] bf16
 """
 
 from typing import Any
@@ -20,3 +24,9 @@ PANEL_WIDTH = 16  # output columns per packed panel: the weight's N must be a mu
 def panel_linear_ops() -> Any:
     native = cpu_native.load()
     return native if native is not None and native.packed_linear_available() else None
+
+
+def bf16_panel_linear_ops() -> Any:
+    """torch.ops.loraplex where the bf16 panel kernel was built (a compiler target with AVX512-BF16), else None."""
+    native = cpu_native.load()
+    return native if native is not None and native.packed_linear_bf16_available() else None

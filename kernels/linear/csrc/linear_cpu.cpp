@@ -9,6 +9,7 @@
 //   pack_linear_weight_cpu(weight [N, K] float32) -> [N / 16, K, 16]: panel p holds output columns 16p .. 16p + 15,
 //       k-major, so the micro-kernel reads 64 contiguous bytes per k. N must be a multiple of 16.
 //   packed_linear_cpu(x [M, K] float32 (rows contiguous), packed [N / 16, K, 16], bias [N]?) -> [M, N] float32
+//       (x bfloat16: linear_bf16_cpu.cpp's bf16 panels instead, packed by pack_linear_weight_bf16_cpu)
 //
 // Each y[m, n] is one fp32 FMA chain over k = 0 .. K-1 in order (then + bias): the same sum F.linear computes, in
 // another order than oneDNN's or MKL's, and the same on any thread count. Blocking: x is repacked per tile's block
@@ -182,6 +183,7 @@ at::Tensor pack_linear_weight_cpu(const at::Tensor& weight) {
 }
 
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  if (x.scalar_type() == at::kBFloat16) return packed_linear_bf16_cpu(x, packed, bias);  // linear_bf16_cpu.cpp
   TORCH_CHECK(packed_linear_available(), "packed_linear_cpu: this build has no AVX2 / FMA kernel");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && (x.size(1) <= 1 || x.stride(1) == 1),
               "x: [M, K] float32 with contiguous rows");
