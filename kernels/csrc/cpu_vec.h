@@ -98,6 +98,20 @@ inline void dispatch_float_bf16(at::ScalarType dtype, const char* name, F&& f) {
   }
 }
 
+// f(std::integral_constant<int, n>{}) for a count n in First .. Max known only at run time (a tile's last rows, a
+// run of tokens), so that the code for n rows is a template: its accumulators named, its loops unrolled. Nothing for
+// an n outside First .. Max. The counts are tried from First up: a decode step's one row is the first.
+template <int Max, int First = 1, typename F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (First <= Max) {
+    if (n == First) {
+      f(std::integral_constant<int, First>{});
+      return;
+    }
+    with_count<Max, First + 1>(n, f);
+  }
+}
+
 // t: [T, H] float32 or bfloat16 (`dtype`), each row contiguous (rows may be strided).
 inline void check_rows(const at::Tensor& t, const char* name, at::ScalarType dtype = at::kFloat) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == dtype && (t.size(1) <= 1 || t.stride(1) == 1), name, ": [T, H] ",

@@ -21,6 +21,7 @@
 // block of each chunk prefetches the stream kLead pairs (32 KB) ahead.
 
 #include "cpu_ops.h"
+#include "cpu_vec.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -43,7 +44,7 @@ constexpr int64_t kPanel = 16;    // output columns per weight panel: one zmm of
 constexpr int64_t kChunkM = 192;  // rows per pass over the panels
 constexpr int64_t kChunkK = 256;  // k-pairs of a panel per pass over the rows: 16 KB of it, kept in L1
 #ifdef LORAPLEX_LINEAR_BF16
-constexpr int64_t kRows = 12;     // rows per register tile: 12 zmm accumulators
+constexpr int kRows = 12;         // rows per register tile: 12 zmm accumulators
 constexpr int64_t kLead = 512;    // how far ahead (in k-pairs of a panel, 64 bytes each) the first block prefetches
 
 // s[r] = (part_in ? part_in[r] : 0) + a_block[kp][R] . b_panel[kp][16][2] over kc pairs, for the tile's rows r < R
@@ -101,21 +102,9 @@ void panel_rows(const uint32_t* x_packed, int64_t kp2, int64_t k0, int64_t kc, c
   const float* in = first ? nullptr : part + r * ldp;
   float* out = last ? nullptr : part + r * ldp;
   c10::BFloat16* y_tail = y + r * ldy;
-  const bool lead = r == 0;
-  switch (tail) {
-    case 11: tile<11>(a, panel, kc, in, out, ldp, y_tail, ldy, bias, lead); break;
-    case 10: tile<10>(a, panel, kc, in, out, ldp, y_tail, ldy, bias, lead); break;
-    case 9: tile<9>(a, panel, kc, in, out, ldp, y_tail, ldy, bias, lead); break;
-    case 8: tile<8>(a, panel, kc, in, out, ldp, y_tail, ldy, bias, lead); break;
-    case 7: tile<7>(a, panel, kc, in, out, ldp, y_tail, ldy, bias, lead); break;
-    case 6: tile<6>(a, panel, kc, in, out, ldp, y_tail, ldy, bias, lead); break;
-    case 5: tile<5>(a, panel, kc, in, out, ldp, y_tail, ldy, bias, lead); break;
-    case 4: tile<4>(a, panel, kc, in, out, ldp, y_tail, ldy, bias, lead); break;
-    case 3: tile<3>(a, panel, kc, in, out, ldp, y_tail, ldy, bias, lead); break;
-    case 2: tile<2>(a, panel, kc, in, out, ldp, y_tail, ldy, bias, lead); break;
-    case 1: tile<1>(a, panel, kc, in, out, ldp, y_tail, ldy, bias, lead); break;
-    default: break;
-  }
+  loraplex::with_count<kRows - 1>(tail, [&](auto rows) {
+    tile<rows()>(a, panel, kc, in, out, ldp, y_tail, ldy, bias, r == 0);
+  });
 }
 
 #endif  // LORAPLEX_LINEAR_BF16
@@ -165,7 +154,7 @@ at::Tensor packed_linear_bf16_cpu(const at::Tensor& x, const at::Tensor& packed,
   const int64_t blocks = (M + kRows - 1) / kRows;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
-      const int64_t m0 = block * kRows, rows = std::min(kRows, M - m0);
+      const int64_t m0 = block * kRows, rows = std::min<int64_t>(kRows, M - m0);
       uint32_t* dst = ap + m0 * kp2;  // [kp2][rows]
       for (int64_t r = 0; r < rows; ++r) {
         const uint16_t* row = xs + (m0 + r) * ldx;

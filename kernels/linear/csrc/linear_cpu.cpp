@@ -25,6 +25,7 @@
 // a W1 step's GEMMs took 1.25x as long at 21 rows, 1.10x at 64, 1.03x at 2048, this code on an AMD Zen 4).
 
 #include "cpu_ops.h"
+#include "cpu_vec.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -46,9 +47,9 @@ namespace {
 
 constexpr int64_t kPanel = 16;  // output columns per weight panel: two ymm, or one zmm
 #ifdef LORAPLEX_LINEAR_AVX512
-constexpr int64_t kRows = 12;  // rows per register tile: 12 zmm accumulators + the panel's vector
+constexpr int kRows = 12;  // rows per register tile: 12 zmm accumulators + the panel's vector
 #else
-constexpr int64_t kRows = 6;  // rows per register tile: 6 x 2 accumulators + 2 weight vectors + 1 broadcast
+constexpr int kRows = 6;  // rows per register tile: 6 x 2 accumulators + 2 weight vectors + 1 broadcast
 #endif
 constexpr int64_t kChunkK = 256;
 constexpr int64_t kChunkM = 192;  // rows per pass over the panels: x's chunk (192 x 256 fp32, 192 KB) stays in L2
@@ -145,22 +146,9 @@ void panel_rows(const float* x_packed, int64_t K, int64_t k0, int64_t kc, const 
   const int64_t tail = m - r;
   const float* a = x_packed + r * K + k0 * tail;
   float* c_tail = c + r * ldc;
-  switch (tail) {
-#ifdef LORAPLEX_LINEAR_AVX512
-    case 11: tile<11>(a, panel, kc, c_tail, ldc, first, bias, r == 0); break;
-    case 10: tile<10>(a, panel, kc, c_tail, ldc, first, bias, r == 0); break;
-    case 9: tile<9>(a, panel, kc, c_tail, ldc, first, bias, r == 0); break;
-    case 8: tile<8>(a, panel, kc, c_tail, ldc, first, bias, r == 0); break;
-    case 7: tile<7>(a, panel, kc, c_tail, ldc, first, bias, r == 0); break;
-    case 6: tile<6>(a, panel, kc, c_tail, ldc, first, bias, r == 0); break;
-#endif
-    case 5: tile<5>(a, panel, kc, c_tail, ldc, first, bias, r == 0); break;
-    case 4: tile<4>(a, panel, kc, c_tail, ldc, first, bias, r == 0); break;
-    case 3: tile<3>(a, panel, kc, c_tail, ldc, first, bias, r == 0); break;
-    case 2: tile<2>(a, panel, kc, c_tail, ldc, first, bias, r == 0); break;
-    case 1: tile<1>(a, panel, kc, c_tail, ldc, first, bias, r == 0); break;
-    default: break;
-  }
+  loraplex::with_count<kRows - 1>(tail, [&](auto rows) {
+    tile<rows()>(a, panel, kc, c_tail, ldc, first, bias, r == 0);
+  });
 }
 
 #endif  // LORAPLEX_LINEAR_AVX2
@@ -204,7 +192,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
   const int64_t blocks = (M + kRows - 1) / kRows;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
-      const int64_t m0 = block * kRows, rows = std::min(kRows, M - m0);
+      const int64_t m0 = block * kRows, rows = std::min<int64_t>(kRows, M - m0);
       float* dst = ap + m0 * K;
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t k = 0; k < K; ++k) dst[k * rows + r] = a[(m0 + r) * lda + k];

@@ -204,27 +204,11 @@ void expand_run(const T* bt, int64_t h_out, int64_t rank, const Z* const* z, T* 
     }
 }
 
-// f(std::integral_constant<int, n>{}): a run's length n (1..kMaxRun) as a compile-time constant.
-template <typename F>
-inline void with_run_length(int n, F&& f) {
-  static_assert(kMaxRun == 8, "one case per run length");
-  switch (n) {
-    case 8: f(std::integral_constant<int, 8>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 1>{});
-  }
-}
-
 // shrink_run<n>: the run's length as a template argument.
 template <typename T, typename Z>
 void shrink_tokens(int n, const T* a, const T* const* x, Z* const* out, int64_t width, int64_t h_in, int64_t rank,
                    int64_t used, const T* next) {
-  with_run_length(n, [&](auto len) { shrink_run<len()>(a, x, out, width, h_in, rank, used, next); });
+  loraplex::with_count<kMaxRun>(n, [&](auto len) { shrink_run<len()>(a, x, out, width, h_in, rank, used, next); });
 }
 
 // expand_run<n> over every slice: z[k] is token k's whole z row [S*R], bounds the slices' [S+1] column bounds.
@@ -235,7 +219,7 @@ void expand_tokens(int n, const T* bt, int64_t h_out, int64_t rank, int64_t used
     const Z* zs[kMaxRun];
     for (int k = 0; k < n; ++k) zs[k] = z[k] + s * rank;
     const int64_t lo = bounds[s], len = bounds[s + 1] - bounds[s];
-    with_run_length(n, [&](auto run) { expand_run<run()>(bt, h_out, used, zs, y, lo, len, next); });
+    loraplex::with_count<kMaxRun>(n, [&](auto run) { expand_run<run()>(bt, h_out, used, zs, y, lo, len, next); });
   }
 }
 

@@ -16,6 +16,8 @@
 //   bf16_logits_cpu(hidden [B, H] bfloat16, weight [V, H] bfloat16, both contiguous) -> [B, V] bfloat16
 //   bf16_logits_available() -> bool: whether this build has it (the compiler's target has AVX512-BF16)
 
+#include "cpu_vec.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -74,16 +76,9 @@ void head_rows(const c10::BFloat16* h, int64_t num_rows, const c10::BFloat16* w,
     const c10::BFloat16* row = w + v * dim;
     int64_t b = 0;
     for (; b + kBlockRows <= num_rows; b += kBlockRows) head_row<kBlockRows, Whole>(h, b, row, dim, v, out, vocab);
-    switch (num_rows - b) {  // the last block's rows, from L1
-      case 7: head_row<7, Whole>(h, b, row, dim, v, out, vocab); break;
-      case 6: head_row<6, Whole>(h, b, row, dim, v, out, vocab); break;
-      case 5: head_row<5, Whole>(h, b, row, dim, v, out, vocab); break;
-      case 4: head_row<4, Whole>(h, b, row, dim, v, out, vocab); break;
-      case 3: head_row<3, Whole>(h, b, row, dim, v, out, vocab); break;
-      case 2: head_row<2, Whole>(h, b, row, dim, v, out, vocab); break;
-      case 1: head_row<1, Whole>(h, b, row, dim, v, out, vocab); break;
-      default: break;
-    }
+    loraplex::with_count<kBlockRows - 1>(num_rows - b, [&](auto rows) {  // the last block's rows, from L1
+      head_row<rows(), Whole>(h, b, row, dim, v, out, vocab);
+    });
   }
 }
 

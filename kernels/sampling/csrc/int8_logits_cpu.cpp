@@ -20,6 +20,8 @@
 //       -> (dots [B, V] int32: q_h . q_v, hidden_terms [B, 3] float32: s_h, |e_h|, |h| on the quantized channels)
 //   int8_logits_available() -> bool: whether this build has it (the compiler's target has AVX512-VNNI or AVX2)
 
+#include "cpu_vec.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -156,16 +158,9 @@ void head_rows(const HiddenValue* h, int64_t padded, int64_t num_rows, const int
     const int8_t* row = w + v * dim;
     int64_t b = 0;
     for (; b + kBlockRows <= num_rows; b += kBlockRows) head_row<kBlockRows, Whole>(h, padded, b, row, dim, v, out, vocab);
-    switch (num_rows - b) {  // the last block's rows, from L1
-      case 7: head_row<7, Whole>(h, padded, b, row, dim, v, out, vocab); break;
-      case 6: head_row<6, Whole>(h, padded, b, row, dim, v, out, vocab); break;
-      case 5: head_row<5, Whole>(h, padded, b, row, dim, v, out, vocab); break;
-      case 4: head_row<4, Whole>(h, padded, b, row, dim, v, out, vocab); break;
-      case 3: head_row<3, Whole>(h, padded, b, row, dim, v, out, vocab); break;
-      case 2: head_row<2, Whole>(h, padded, b, row, dim, v, out, vocab); break;
-      case 1: head_row<1, Whole>(h, padded, b, row, dim, v, out, vocab); break;
-      default: break;
-    }
+    loraplex::with_count<kBlockRows - 1>(num_rows - b, [&](auto rows) {  // the last block's rows, from L1
+      head_row<rows(), Whole>(h, padded, b, row, dim, v, out, vocab);
+    });
   }
 }
 
