@@ -144,6 +144,53 @@ def test_the_bf16_head_screens_a_few_rows_in_int8_once_calibrated(vocab, require
     assert head.few_rows.off == (vocab == 20) and (head.plain_bf16 is not None) == (vocab == 20)
 
 
+@pytest.mark.parametrize("vocab", [3008, 32])
+def test_the_bf16_head_takes_the_bf16_panels_where_they_win(vocab, require_cpu_kernel, monkeypatch):
+    """Where kernels/linear's bf16 panels win (AMD Zen 4), every bf16 screen takes them, oneDNN's GEMM and the bf16
+    GEMV none; steps of one to three rows still go to the int8 screen once calibrated, unless it turns itself off (a
+    vocabulary of 32). Elsewhere the head keeps oneDNN's layout. Every token is the fp32 argmax."""
+    from engine.layers import greedy_head, packed_linear
+    from kernels.linear import bf16_panel_linear_ops
+
+    ops = bf16_panel_linear_ops()
+    if ops is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("the bf16 panels need a build for AVX512-BF16 (and the head a CPU whose bf16 oneDNN packs)")
+    g = torch.Generator().manual_seed(vocab)
+    weight = torch.randn(vocab, 64, generator=g) * 0.05
+    monkeypatch.setattr(packed_linear, "bf16_panel_linear_wins", lambda: False)
+    assert ScreenedGreedyHead(weight).panels is None  # oneDNN's layout
+    monkeypatch.setattr(packed_linear, "bf16_panel_linear_wins", lambda: True)
+    head = ScreenedGreedyHead(weight)
+    assert head.panels is ops and head.packed_bf16.shape == (vocab // 16, 32, 16, 2)
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return lambda *a: calls.append(name) or getattr(ops, name)(*a)
+
+    head.panels = Spy()
+    for name in ("bf16_logits", "int8_logits"):
+        kernel = getattr(greedy_head, name)
+        monkeypatch.setattr(greedy_head, name, lambda *a, name=name, k=kernel: calls.append(name) or k(*a))
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append("onednn"))
+
+    def kernels_of_steps(*steps: int) -> list[tuple[int, list[str]]]:
+        taken = []
+        for rows in steps:
+            hidden = torch.randn(rows, 64, generator=g) * 3
+            calls.clear()
+            assert torch.equal(head.tokens(hidden), (hidden.double() @ weight.double().T).argmax(dim=-1))
+            taken.append((rows, list(calls)))
+        return taken
+
+    panels = ["packed_linear_cpu"]
+    assert kernels_of_steps(1, 3, 16) == [(1, panels), (3, panels), (16, panels)]  # not calibrated yet
+    head.gather(torch.randn(4, 64, generator=g))
+    few = panels if vocab == 32 else ["int8_logits"]
+    assert kernels_of_steps(1, 3, 4, 64) == [(1, few), (3, few), (4, panels), (64, panels)]
+    assert head.few_rows.off == (vocab == 32) and head.plain_bf16 is None
+
+
 def int8_screen(
     hidden: torch.Tensor, weight: torch.Tensor, exact_channels: list[int] = (), at_a_time: int | None = None
 ) -> torch.Tensor:

@@ -16,7 +16,10 @@ took 0.92 of the time per token of W1 with the bf16 GEMV there, 0.98 of the demo
 tokens). Where the int8 screen would not pay (its calibration turns it off) the bf16 head's few rows take
 kernels/sampling's bf16 GEMV over a plain bf16 copy made then (AVX512-BF16), 0.90 of oneDNN's time per token of W1
 at one stream. A CPU with AVX2 and neither bf16 nor VNNI (AMD Zen 3 and older) gets the int8 head for steps of up to
-AVX2_MAX_ROWS rows (the GEMV's AVX2 path; the full fp32 head above).
+AVX2_MAX_ROWS rows (the GEMV's AVX2 path; the full fp32 head above). Where kernels/linear's bf16 panels beat oneDNN
+(`engine.cpu_features.bf16_panel_linear_wins`: AMD Zen 4) the bf16 screen takes them at every row count instead of
+oneDNN's GEMM and the bf16 GEMV: W1's head cold, 0.58-0.68 of oneDNN's time at 1-8 rows, 0.81 at 16-32, 0.91 at 64;
+a SmolLM2-sized one 0.70-0.73, 0.88-0.94 and 1.04.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import logging
 
 import torch
 
+from engine.layers.packed_linear import panel_ops_for_weight
 from kernels.sampling import (
     UNDECIDED,
     bf16_logits,
@@ -62,7 +66,8 @@ class ScreenedGreedyHead:
     """The head screened by bf16 logits; at a decode step's few rows (GEMV_ROWS) by int8 ones instead where the CPU
     has the int8 GEMV (`few_rows`, an Int8ScreenedGreedyHead: half the bf16 bytes to read) and its calibration keeps
     it on, else by the bf16 GEMV over a plain bf16 copy made on first use. Until the int8 head has calibrated (the
-    runner gives it its rows at start) those steps take oneDNN's bf16 GEMM. Not above GEMV_ROWS: on that Zen 4 the
+    runner gives it its rows at start) those steps take oneDNN's bf16 GEMM. Where kernels/linear's bf16 panels win,
+    they take every bf16 screen instead of oneDNN's GEMM and the bf16 GEMV. Not above GEMV_ROWS: on that Zen 4 the
     int8 screen's time per token in the engine was 0.88 and 0.94 of bf16's for W1 at 4 and 8 streams, but 1.00 and
     1.05 for the demo's SmolLM2 (its exact channels' GEMM and candidates)."""
 
@@ -70,7 +75,11 @@ class ScreenedGreedyHead:
         """weight: the LM head's [V, H] fp32 weight, before it is packed."""
         self.weight = weight.detach().contiguous()  # [V, H] fp32 (the same storage as a tied embedding's)
         self.row_norms = self.weight.norm(dim=1)  # [V]
-        self.packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(self.weight.to(torch.bfloat16), 64)
+        self.panels = panel_ops_for_weight(self.weight.shape[0], torch.bfloat16)  # kernels/linear's, where it wins
+        if self.panels is not None:  # [V / 16, ceil(H / 2), 16, 2]
+            self.packed_bf16 = self.panels.pack_linear_weight_bf16_cpu(self.weight.to(torch.bfloat16))
+        else:  # oneDNN's opaque layout
+            self.packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(self.weight.to(torch.bfloat16), 64)
         self.few_rows = Int8ScreenedGreedyHead(self.weight) if int8_logits_available() else None
         self.bf16_gemv = bf16_logits_available()  # kernels/sampling's bf16_logits, up to GEMV_ROWS rows
         self.plain_bf16: torch.Tensor | None = None  # [V, H] bf16 for the bf16 GEMV, made on its first use
@@ -100,6 +109,8 @@ class ScreenedGreedyHead:
 
     def approx_logits(self, hidden_bf16: torch.Tensor) -> torch.Tensor:
         """hidden [B, H] bf16 -> [B, V] bf16 logits, fp32 sums."""
+        if self.panels is not None:
+            return self.panels.packed_linear_cpu(hidden_bf16, self.packed_bf16, None)
         if hidden_bf16.shape[0] <= GEMV_ROWS and self.bf16_gemv and not self.int8_few_rows:
             if self.plain_bf16 is None:
                 self.plain_bf16 = self.weight.to(torch.bfloat16)  # [V, H]

@@ -63,13 +63,19 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def panel_ops_for(linear: nn.Linear) -> Any:
-    """kernels/linear's ops where they beat oneDNN for this linear (fp32 on a CPU where `panel_linear_wins`, bf16
-    where `bf16_panel_linear_wins`; the kernel built, out_features a multiple of 16), else None."""
-    if linear.out_features % PANEL_WIDTH:
+    """kernels/linear's ops where they beat oneDNN for this linear, else None (`panel_ops_for_weight`)."""
+    return panel_ops_for_weight(linear.out_features, linear.weight.dtype)
+
+
+def panel_ops_for_weight(out_features: int, dtype: torch.dtype) -> Any:
+    """kernels/linear's ops where they beat oneDNN for a weight of out_features rows of this dtype (fp32 on a CPU
+    where `panel_linear_wins`, bf16 where `bf16_panel_linear_wins`; the kernel built, out_features a multiple of 16),
+    else None."""
+    if out_features % PANEL_WIDTH:
         return None
-    if linear.weight.dtype == torch.float32 and panel_linear_wins():
+    if dtype == torch.float32 and panel_linear_wins():
         return panel_linear_ops()
-    if linear.weight.dtype == torch.bfloat16 and bf16_panel_linear_wins():
+    if dtype == torch.bfloat16 and bf16_panel_linear_wins():
         return bf16_panel_linear_ops()
     return None
 
