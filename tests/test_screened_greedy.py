@@ -108,6 +108,18 @@ def test_the_bf16_head_takes_the_gemv_at_a_few_rows_and_onednn_above(require_bf1
     assert calls == [1, greedy_head.GEMV_ROWS]
 
 
+def kernels_of_steps_of(head, weight, g, calls: list[str], steps) -> list[tuple[int, list[str]]]:
+    """[(rows, the kernels `calls` recorded)] for a greedy step of each row count in `steps`, each step's tokens
+    checked against the fp64 argmax of its logits."""
+    taken = []
+    for rows in steps:
+        hidden = torch.randn(rows, weight.shape[1], generator=g) * 3
+        calls.clear()
+        assert torch.equal(head.tokens(hidden), (hidden.double() @ weight.double().T).argmax(dim=-1))
+        taken.append((rows, list(calls)))
+    return taken
+
+
 @pytest.mark.parametrize("vocab", [3000, 20])
 def test_the_bf16_head_screens_a_few_rows_in_int8_once_calibrated(vocab, require_bf16_logits, monkeypatch):
     """Steps of one to three rows: oneDNN's bf16 GEMM until the int8 head has its calibration rows (the runner gives
@@ -129,13 +141,7 @@ def test_the_bf16_head_screens_a_few_rows_in_int8_once_calibrated(vocab, require
         monkeypatch.setattr(greedy_head, name, lambda *a, name=name, k=kernel: calls.append(name) or k(*a))
 
     def kernels_of_steps(*steps: int) -> list[tuple[int, list[str]]]:
-        taken = []
-        for rows in steps:
-            hidden = torch.randn(rows, 64, generator=g) * 3
-            calls.clear()
-            assert torch.equal(head.tokens(hidden), (hidden.double() @ weight.double().T).argmax(dim=-1))
-            taken.append((rows, list(calls)))
-        return taken
+        return kernels_of_steps_of(head, weight, g, calls, steps)
 
     assert kernels_of_steps(1, 3, 16) == [(1, []), (3, []), (16, [])]  # 4 rows of 8 gathered: not calibrated yet
     head.gather(torch.randn(4, 64, generator=g))
@@ -175,13 +181,7 @@ def test_the_bf16_head_takes_the_bf16_panels_where_they_win(vocab, require_cpu_k
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append("onednn"))
 
     def kernels_of_steps(*steps: int) -> list[tuple[int, list[str]]]:
-        taken = []
-        for rows in steps:
-            hidden = torch.randn(rows, 64, generator=g) * 3
-            calls.clear()
-            assert torch.equal(head.tokens(hidden), (hidden.double() @ weight.double().T).argmax(dim=-1))
-            taken.append((rows, list(calls)))
-        return taken
+        return kernels_of_steps_of(head, weight, g, calls, steps)
 
     panels = ["packed_linear_cpu"]
     assert kernels_of_steps(1, 3, 16) == [(1, panels), (3, panels), (16, panels)]  # not calibrated yet
