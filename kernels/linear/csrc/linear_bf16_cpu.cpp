@@ -16,9 +16,10 @@
 // Each y[m, n] is one fp32 chain of VDPBF16PS over the k-pairs in order (+ bias, then rounded to nearest even): the
 // same on any thread count and row count, in another order than oneDNN's (so a bf16 output may differ by one unit in
 // the last place). Blocking: x is repacked per block of 12 rows as [K / 2][rows] pairs (one stream); the threads split
-// the panels, each thread's panels one contiguous stream from memory; per chunk of up to 192 rows and per panel, the
-// panel's k runs whole (16 KB at K = 512, in L1; a down projection's 45 KB at K = 1408, in L2), and the first row
-// block of each chunk prefetches the stream kLead pairs (32 KB) ahead.
+// the panels, each thread's panels one contiguous stream from memory; per chunk of up to 192 rows and per panel, k
+// runs in chunks of 256 pairs (16 KB of the panel, kept in L1 while the rows' blocks pass over it; the sums between
+// chunks wait in an fp32 buffer [M, N], exactly), and the first row block of each chunk prefetches the stream kLead
+// pairs (32 KB) ahead.
 
 #include "cpu_ops.h"
 #include "cpu_vec.h"
