@@ -48,6 +48,14 @@ def load() -> Any:
         return _state["module"]
 
 
+def load_with(available_op: str) -> Any:
+    """torch.ops.loraplex where the kernels are built and their op `available_op` (a flag of the build, e.g.
+    "packed_linear_available": whether the compiler's target had the instructions a kernel needs) says yes, else
+    None."""
+    native = load()
+    return native if native is not None and getattr(native, available_op)() else None
+
+
 def _build() -> Any:
     if os.environ.get("LORAPLEX_CPU_KERNELS", "1") == "0":
         logger.info("C++ CPU kernels off (LORAPLEX_CPU_KERNELS=0): attention and LoRA run on torch ops")

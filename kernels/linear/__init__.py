@@ -22,11 +22,9 @@ PANEL_WIDTH = 16  # output columns per packed panel: the weight's N must be a mu
 
 
 def panel_linear_ops() -> Any:
-    native = cpu_native.load()
-    return native if native is not None and native.packed_linear_available() else None
+    return cpu_native.load_with("packed_linear_available")
 
 
 def bf16_panel_linear_ops() -> Any:
     """torch.ops.loraplex where the bf16 panel kernel was built (a compiler target with AVX512-BF16), else None."""
-    native = cpu_native.load()
-    return native if native is not None and native.packed_linear_bf16_available() else None
+    return cpu_native.load_with("packed_linear_bf16_available")

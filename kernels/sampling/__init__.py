@@ -22,15 +22,9 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor | None:
     return None if native is None else native.greedy_tokens_cpu(logits)
 
 
-def _built_with(available_op: str) -> bool:
-    """Whether the C++ kernels are built and their op `available_op` (a flag of the build) says yes."""
-    native = cpu_native.load()
-    return native is not None and getattr(native, available_op)()
-
-
 def bf16_logits_available() -> bool:
     """Whether the C++ kernels are built with `bf16_logits` (a CPU with AVX512-BF16)."""
-    return _built_with("bf16_logits_available")
+    return cpu_native.load_with("bf16_logits_available") is not None
 
 
 def bf16_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -41,7 +35,7 @@ def bf16_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def int8_logits_available() -> bool:
     """Whether the C++ kernels are built with `int8_logits` (a CPU with AVX512-VNNI, or AVX2)."""
-    return _built_with("int8_logits_available")
+    return cpu_native.load_with("int8_logits_available") is not None
 
 
 def int8_logits(
