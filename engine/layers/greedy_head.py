@@ -81,7 +81,8 @@ class ScreenedGreedyHead:
         else:  # oneDNN's opaque layout
             self.packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(self.weight.to(torch.bfloat16), 64)
         self.few_rows = Int8ScreenedGreedyHead(self.weight) if int8_logits_available() else None
-        self.bf16_gemv = bf16_logits_available()  # kernels/sampling's bf16_logits, up to GEMV_ROWS rows
+        # kernels/sampling's bf16_logits up to GEMV_ROWS rows, where the panels do not take every row count
+        self.bf16_gemv = self.panels is None and bf16_logits_available()
         self.plain_bf16: torch.Tensor | None = None  # [V, H] bf16 for the bf16 GEMV, made on its first use
 
     @property
