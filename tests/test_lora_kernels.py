@@ -215,6 +215,43 @@ def test_cpu_ops_skip_what_lies_past_each_rows_rank(layer, require_cpu_kernel):
         ops.lora_shrink(out, case.x, case.lora_a, bad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layer", ["qkv", "wide_in", "wide_out"])
+def test_cpu_ops_give_a_token_the_same_bits_in_any_batch(layer, dtype, require_cpu_kernel):
+    """A token's z and y do not depend on how many tokens share its adapter (runs of 1 to 8, tiles of each width
+    the kernels take, the last columns of a slice in a narrower tile) nor on its place among them: each output is
+    the same chain of FMAs whatever the tile. Rank 3 of 8 on row 1 (its columns past 3 skipped)."""
+    ops = get_lora_ops("cpu")
+    case = make_case(1, 2, 8, "identical", layer, with_pads=False, dtype=dtype)
+    hidden_in, output_slices = LAYERS[layer]
+    gen = torch.Generator().manual_seed(1)
+    others = torch.randn(16, hidden_in, generator=gen).to(dtype)  # [16, H_in]: the token's neighbours
+    token = others[5]
+    ranks = torch.tensor([8, 3])
+    for s in range(len(output_slices)):
+        case.lora_a[1, s * 8 + 3 : (s + 1) * 8] = 0
+    case.lora_b[1, :, 3:] = 0
+    for row in (0, 1):
+        alone = LoraMeta.build([row], "cpu", row_ranks=ranks, max_rank=8)
+        z_alone = torch.zeros(1, case.lora_a.shape[1], dtype=dtype)
+        ops.lora_shrink(z_alone, token[None], case.lora_a, alone)
+        y_alone = case.y[:1].clone()
+        ops.add_lora(y_alone, token[None], case.lora_a, case.lora_b, alone, output_slices)
+        for count in range(2, 17):
+            x = others[:count].clone()  # [count, H_in]; the token is one of them from count 6 on, else the last
+            at = 5 if count > 5 else count - 1
+            x[at] = token
+            idx = [row] * count
+            idx[0] = 1 - row  # another adapter's token first: the run starts past the batch's first row
+            meta = LoraMeta.build(idx, "cpu", row_ranks=ranks, max_rank=8)
+            z = torch.zeros(count, case.lora_a.shape[1], dtype=dtype)
+            ops.lora_shrink(z, x, case.lora_a, meta)
+            y = case.y[:1].expand(count, -1).clone()
+            ops.add_lora(y, x, case.lora_a, case.lora_b, meta, output_slices)
+            assert torch.equal(z[at], z_alone[0]), (row, count)
+            assert torch.equal(y[at], y_alone[0]), (row, count)
+
+
 def available_layouts(meta: LoraMeta) -> list[str]:
     return ["sorted"] + ["runs"] * (meta.run_starts is not None) + ["padded"] * (meta.padded_rows is not None)
 

@@ -1,15 +1,16 @@
-// Batched multi-LoRA shrink and expand on CPU: each token multiplies by its own adapter's row of the stacked
-// weights, in one call per op (no gather into adapter order, no padding, no scatter back). The tokens are walked in
-// adapter order (`order`, the LoraMeta's sorted_token_idx) and taken up to eight of one adapter at a time, so each
-// weight vector loaded serves all of them: a decode batch's tokens of one adapter are scattered through the batch.
-// Expand sums every rank's chunk in registers and writes each output chunk once (not once per rank). Parallel over
-// the ordered tokens on torch's own OpenMP team. While a thread computes one run it prefetches the weights of its
-// next run's adapter (at 16 adapters of one or two tokens each, a step's LoRA reads ~40 MB of weights, and each
-// run's start waited on memory: lora_add over W1's 32 modules of 16 adapters takes 6-11% less time at 16-64 tokens,
-// e.g. 1.78 ms instead of 1.90 at 21, on an AMD Zen 4). Runs of eight instead of four: W1's 32 modules at 64 tokens
-// over 8 adapters (8 tokens each) 1.39-1.63 ms instead of 1.54-1.70 (Zen 4, 2 threads). Shrink takes two weight
-// rows per pass over the run's x (each x load feeds both): on Zen 4, one W1 layer's four shrinks at 64 decode
-// tokens over 8 adapters 0.058 ms instead of 0.101, at a 2048-token prefill step 1.29-1.42 instead of 2.48-2.53.
+// Batched multi-LoRA shrink and expand on CPU: each token multiplies by its own adapter's row of the stacked weights,
+// in one call per op (no gather into adapter order, no padding, no scatter back). The tokens are walked in adapter
+// order (`order`, the LoraMeta's sorted_token_idx) and taken up to eight of one adapter at a time (a run, computed in
+// register tiles of several tokens and columns, below), so each weight vector loaded serves several tokens: a decode
+// batch's tokens of one adapter are scattered through the batch. Expand sums every rank's chunk in registers and writes
+// each output chunk once (not once per rank). Parallel over the ordered tokens on torch's own OpenMP team. While a
+// thread computes one run it prefetches the weights of its next run's adapter (at 16 adapters of one or two tokens
+// each, a step's LoRA reads ~40 MB of weights, and each run's start waited on memory: lora_add over W1's 32 modules of
+// 16 adapters takes 6-11% less time at 16-64 tokens, e.g. 1.78 ms instead of 1.90 at 21, on an AMD Zen 4). Runs of
+// eight instead of four: W1's 32 modules at 64 tokens over 8 adapters (8 tokens each) 1.39-1.63 ms instead of 1.54-1.70
+// (Zen 4, 2 threads). Shrink takes two or more weight rows per pass over the run's x (each x load feeds them all): on
+// Zen 4, one W1 layer's four shrinks at 64 decode tokens over 8 adapters 0.058 ms instead of 0.101, at a 2048-token
+// prefill step 1.29-1.42 instead of 2.48-2.53.
 //
 //   lora_add_cpu(y [T, H_out], x [T, H_in], lora_a, lora_bt, idx, order, row_ranks?, slice_bounds)
 //       both below for each run of tokens, z kept in the thread's buffer (what a LoRA layer calls)
@@ -31,6 +32,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -129,89 +131,163 @@ void for_each_run_rows(const int64_t* rows, const int64_t* order, int64_t num_or
   });
 }
 
-// out_k[c + j] = a[c + j] . x_k for j < C (one or two columns) and the N tokens k sharing the weights a [width,
+// out_k[c + j] = a[c + j] . x_k for j < C columns and the N tokens k sharing the weights a [width,
 // h_in]: C columns share each load of x. `next` (or null): the next run's a, prefetched alongside.
 template <int N, int C, typename T, typename Z>
 inline void shrink_columns(const T* a, const T* const* x, Z* const* out, int64_t c, int64_t h_in, const T* next) {
-  Vec acc[C][N];
+  Vec acc[C * N];  // column j's sum for token k at j * N + k
+  LORAPLEX_UNROLL
   for (int j = 0; j < C; ++j)
-    for (int k = 0; k < N; ++k) acc[j][k] = Vec(0.f);
+    LORAPLEX_UNROLL
+    for (int k = 0; k < N; ++k) acc[j * N + k] = Vec(0.f);
   int64_t i = 0;
   for (; i + Vec::size() <= h_in; i += Vec::size()) {
     Vec va[C];
+    LORAPLEX_UNROLL
     for (int j = 0; j < C; ++j) {
       if (next) __builtin_prefetch(next + (c + j) * h_in + i, 0, 2);
       va[j] = load_f32(a + (c + j) * h_in + i);
     }
+    LORAPLEX_UNROLL
     for (int k = 0; k < N; ++k) {
       const Vec vx = load_f32(x[k] + i);
-      for (int j = 0; j < C; ++j) acc[j][k] = at::vec::fmadd(va[j], vx, acc[j][k]);
+      LORAPLEX_UNROLL
+      for (int j = 0; j < C; ++j) acc[j * N + k] = at::vec::fmadd(va[j], vx, acc[j * N + k]);
     }
   }
+  LORAPLEX_UNROLL
   for (int j = 0; j < C; ++j) {
     const T* ac = a + (c + j) * h_in;
+    LORAPLEX_UNROLL
     for (int k = 0; k < N; ++k) {
-      float sum = acc[j][k].reduce_add();
+      float sum = acc[j * N + k].reduce_add();
       for (int64_t t = i; t < h_in; ++t) sum += static_cast<float>(ac[t]) * static_cast<float>(x[k][t]);
       out[k][c + j] = static_cast<Z>(sum);
     }
   }
 }
 
-// out_k[c] = a[c] . x_k for the N tokens k sharing the weights a [width, h_in], two columns at a time where both
-// are used and the 2N accumulators fit the vector registers (32 with AVX-512; 16 with AVX2, so N <= 4 there);
-// columns past `used` of each slice of R are zero rows of a: 0 without reading them. Each column's sum runs in the
-// same order either way. `next` (or null): the next run's a, prefetched alongside.
-template <int N, typename T, typename Z>
-void shrink_run(const T* a, const T* const* x, Z* const* out, int64_t width, int64_t h_in, int64_t rank,
-                int64_t used, const T* next) {
-  constexpr bool kPairs = Vec::size() >= 16 || N <= 4;
-  for (int64_t c = 0; c < width;) {
-    if (c % rank >= used) {
-      for (int k = 0; k < N; ++k) out[k][c] = Z(0.f);
-      ++c;
-    } else if (kPairs && c + 1 < width && (c + 1) % rank < used) {
-      shrink_columns<N, 2>(a, x, out, c, h_in, next);
-      c += 2;
-    } else {
-      shrink_columns<N, 1>(a, x, out, c, h_in, next);
-      ++c;
-    }
+// A tile: NT tokens of one adapter and the columns (shrink) or vectors (expand) of output each of them takes at
+// once. With AVX2 their accumulators fill 12 of the 16 vector registers, so that enough independent FMAs are in
+// flight to hide the FMA's latency (a run of one token took two columns at a time before: two chains of FMAs), and
+// each vector of weights loaded serves NT tokens: on a 2-core AMD Zen 3, W1's 32 LoRA adds (8 adapters, weights
+// cold) took 2.0-2.4 ms at 64 tokens against 2.7-2.8, 5.0-5.3 at 256 against 8.2-8.5, the same bits. A run of more
+// than kTileTokens tokens takes several tiles. With AVX-512 the tiles stay what they were (all of a run's tokens,
+// shrink's columns in pairs, expand's vectors one at a time), the shape measured on the Zen 4 and the Xeons: GCC
+// kept wider tiles' zmm accumulators on the stack there (a load and a store around FMAs), and no AVX-512 machine was
+// at hand to measure another shape.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kTileTokens = kMaxRun;
+template <int NT>
+constexpr int shrink_width() {
+  return 2;
+}
+template <int NT>
+constexpr int expand_width() {
+  return 1;
+}
+#else
+constexpr int kTileTokens = 4;
+constexpr int kTileAccumulators = 12;
+constexpr int kTileWidth = 8;  // columns or vectors a tile takes at most: one rank-8 slice's columns
+template <int NT>
+constexpr int shrink_width() {
+  return std::min(kTileWidth, kTileAccumulators / NT);
+}
+template <int NT>
+constexpr int expand_width() {
+  return shrink_width<NT>();
+}
+#endif
+
+// out_k[c] = a[c] . x_k for the NT tokens k sharing the weights a [width, h_in], shrink_width<NT>() columns at a time
+// (each slice's last block narrower) within the `used` columns of each slice of R; the columns past `used` are zero
+// rows of a: 0 without reading them. Each column's sum runs in the same order whatever the tile.
+template <int NT, typename T, typename Z>
+void shrink_tile_rows(const T* a, const T* const* x, Z* const* out, int64_t width, int64_t h_in, int64_t rank,
+                      int64_t used, const T* next) {
+  constexpr int C = shrink_width<NT>();
+  for (int64_t s = 0; s < width; s += rank) {
+    int64_t c = s;
+    for (; c + C <= s + used; c += C) shrink_columns<NT, C>(a, x, out, c, h_in, next);
+    loraplex::with_count<C - 1>(s + used - c,
+                                [&](auto rest) { shrink_columns<NT, rest()>(a, x, out, c, h_in, next); });
+    for (c = s + used; c < s + rank; ++c)
+      for (int k = 0; k < NT; ++k) out[k][c] = Z(0.f);
   }
 }
 
-// y_k[lo:lo+len] += sum_r z_k[r] * bt[r, lo:lo+len] for the N tokens k sharing bt [rank, h_out]; each chunk of
-// y_k is read and written once. `next` (or null): the next run's bt, prefetched alongside.
-template <int N, typename T, typename Z>
-void expand_run(const T* bt, int64_t h_out, int64_t rank, const Z* const* z, T* const* y, int64_t lo, int64_t len,
-                const T* next) {
-  int64_t j = lo;
-  for (; j + Vec::size() <= lo + len; j += Vec::size()) {
-    Vec acc[N];
-    for (int k = 0; k < N; ++k) acc[k] = load_f32(y[k] + j);
-    for (int64_t r = 0; r < rank; ++r) {
-      if (next) __builtin_prefetch(next + r * h_out + j, 0, 2);
-      const Vec vb = load_f32(bt + r * h_out + j);
-      for (int k = 0; k < N; ++k) acc[k] = at::vec::fmadd(Vec(static_cast<float>(z[k][r])), vb, acc[k]);
+// y_k[j : j + U vectors] += sum_r z_k[r] * bt[r, j : j + U vectors] for the NT tokens k sharing bt [rank, h_out]:
+// each z_k[r] is broadcast once for U vectors, each vector of bt loaded once for NT tokens. `next` (or null): the
+// next run's bt, prefetched alongside.
+template <int NT, int U, typename T, typename Z>
+inline void expand_tile(const T* bt, int64_t h_out, int64_t rank, const Z* const* z, T* const* y, int64_t j,
+                        const T* next) {
+  Vec acc[NT * U];  // token k's vector u at k * U + u
+  LORAPLEX_UNROLL
+  for (int k = 0; k < NT; ++k)
+    LORAPLEX_UNROLL
+    for (int u = 0; u < U; ++u) acc[k * U + u] = load_f32(y[k] + j + u * Vec::size());
+  for (int64_t r = 0; r < rank; ++r) {
+    Vec vb[U];
+    LORAPLEX_UNROLL
+    for (int u = 0; u < U; ++u) {
+      if (next) __builtin_prefetch(next + r * h_out + j + u * Vec::size(), 0, 2);
+      vb[u] = load_f32(bt + r * h_out + j + u * Vec::size());
     }
-    for (int k = 0; k < N; ++k) store_f32(y[k] + j, acc[k]);
+    LORAPLEX_UNROLL
+    for (int k = 0; k < NT; ++k) {
+      const Vec vz(static_cast<float>(z[k][r]));
+      LORAPLEX_UNROLL
+      for (int u = 0; u < U; ++u) acc[k * U + u] = at::vec::fmadd(vz, vb[u], acc[k * U + u]);
+    }
   }
-  for (; j < lo + len; ++j)
-    for (int k = 0; k < N; ++k) {
+  LORAPLEX_UNROLL
+  for (int k = 0; k < NT; ++k)
+    LORAPLEX_UNROLL
+    for (int u = 0; u < U; ++u) store_f32(y[k] + j + u * Vec::size(), acc[k * U + u]);
+}
+
+// y_k[lo:lo+len] += sum_r z_k[r] * bt[r, lo:lo+len] for the NT tokens k sharing bt [rank, h_out]: tiles of
+// expand_width<NT>() vectors, then of one, then the last elements one by one. Each chunk of y_k is read and written
+// once, and each element's sum runs in the same order whatever the tile. `next` (or null): the next run's bt,
+// prefetched alongside.
+template <int NT, typename T, typename Z>
+void expand_tile_rows(const T* bt, int64_t h_out, int64_t rank, const Z* const* z, T* const* y, int64_t lo,
+                      int64_t len, const T* next) {
+  constexpr int U = expand_width<NT>();
+  const int64_t end = lo + len;
+  int64_t j = lo;
+  for (; j + U * Vec::size() <= end; j += U * Vec::size()) expand_tile<NT, U>(bt, h_out, rank, z, y, j, next);
+  for (; j + Vec::size() <= end; j += Vec::size()) expand_tile<NT, 1>(bt, h_out, rank, z, y, j, next);
+  for (; j < end; ++j)
+    for (int k = 0; k < NT; ++k) {
       float sum = static_cast<float>(y[k][j]);
       for (int64_t r = 0; r < rank; ++r) sum += static_cast<float>(z[k][r]) * static_cast<float>(bt[r * h_out + j]);
       y[k][j] = static_cast<T>(sum);
     }
 }
 
-// shrink_run<n>: the run's length as a template argument.
+// f(first, count, prefetch) for the n tokens of a run in tiles of at most kTileTokens: tokens first .. first +
+// count, count a template argument; prefetch: whether the tile is the run's first (the one that prefetches).
+template <typename F>
+inline void for_each_tile(int n, F&& f) {
+  for (int first = 0; first < n; first += kTileTokens)
+    loraplex::with_count<kTileTokens>(std::min(n - first, kTileTokens),
+                                      [&](auto count) { f(first, count, first == 0); });
+}
+
+// shrink_tile_rows over the run's n tokens, a tile at a time.
 template <typename T, typename Z>
 void shrink_tokens(int n, const T* a, const T* const* x, Z* const* out, int64_t width, int64_t h_in, int64_t rank,
                    int64_t used, const T* next) {
-  loraplex::with_count<kMaxRun>(n, [&](auto len) { shrink_run<len()>(a, x, out, width, h_in, rank, used, next); });
+  for_each_tile(n, [&](int first, auto count, bool prefetch) {
+    shrink_tile_rows<count()>(a, x + first, out + first, width, h_in, rank, used, prefetch ? next : nullptr);
+  });
 }
 
-// expand_run<n> over every slice: z[k] is token k's whole z row [S*R], bounds the slices' [S+1] column bounds.
+// expand_tile_rows over every slice and the run's n tokens, a tile at a time: z[k] is token k's whole z row [S*R],
+// bounds the slices' [S+1] column bounds.
 template <typename T, typename Z>
 void expand_tokens(int n, const T* bt, int64_t h_out, int64_t rank, int64_t used, const Z* const* z, T* const* y,
                    const std::vector<int64_t>& bounds, const T* next) {
@@ -219,7 +295,9 @@ void expand_tokens(int n, const T* bt, int64_t h_out, int64_t rank, int64_t used
     const Z* zs[kMaxRun];
     for (int k = 0; k < n; ++k) zs[k] = z[k] + s * rank;
     const int64_t lo = bounds[s], len = bounds[s + 1] - bounds[s];
-    loraplex::with_count<kMaxRun>(n, [&](auto run) { expand_run<run()>(bt, h_out, used, zs, y, lo, len, next); });
+    for_each_tile(n, [&](int first, auto count, bool prefetch) {
+      expand_tile_rows<count()>(bt, h_out, used, zs + first, y + first, lo, len, prefetch ? next : nullptr);
+    });
   }
 }
 
