@@ -19,9 +19,9 @@
 #include <cstdint>
 #include <type_traits>
 
-// Before a loop over a register tile's rows or vectors (a template count): unrolled whole, so that the tile's array
-// of Vec accumulators lives in registers. Left to itself GCC kept a 8 x 3 tile of zmm on the stack (a load and a
-// store around every FMA) where it did not unroll the loops.
+// Before a loop over a register tile's rows or vectors (a template count): unrolled whole, so that the tile's Vec
+// accumulators, in a flat array, live in registers. In a 2-d array GCC kept parts of an 8 x 3 tile of zmm on the
+// stack (a load and a store around the FMA) even unrolled, and more of it without the unroll.
 #define LORAPLEX_UNROLL _Pragma("GCC unroll 32")
 
 namespace loraplex {

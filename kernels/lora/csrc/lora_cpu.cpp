@@ -173,9 +173,8 @@ inline void shrink_columns(const T* a, const T* const* x, Z* const* out, int64_t
 // weights loaded serves NT tokens: on a 2-core AMD Zen 3, W1's 32 LoRA adds (8 adapters, weights cold) took 2.0-2.3 ms
 // at 64 tokens against 2.3-2.8, 5.2-6.3 at 256 against 6.9-8.5, the same bits. A run of more than kTileTokens tokens
 // takes several tiles. With AVX-512 the tiles stay what they were (all of a run's tokens, shrink's columns in pairs,
-// expand's vectors one at a time), the shape measured on the Zen 4 and the Xeons: GCC kept wider tiles' zmm
-// accumulators on the stack there (a load and a store around FMAs), and no AVX-512 machine was at hand to measure
-// another shape.
+// expand's vectors one at a time), the shape measured on the Zen 4 and the Xeons: no AVX-512 machine was at hand to
+// measure another (compiled for one, tiles of 16 zmm accumulators stay in registers; of 24, GCC spills the expand's).
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kTileTokens = kMaxRun;
 template <int NT>
