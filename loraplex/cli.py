@@ -128,6 +128,12 @@ def _bench_gpu(args: argparse.Namespace) -> None:
     bench_main(args.bench_args)
 
 
+def _bench_cpu_lora(args: argparse.Namespace) -> None:
+    from bench.cpu_lora import main as bench_main
+
+    bench_main(args.bench_args)
+
+
 def _bench_sweep(args: argparse.Namespace) -> None:
     from bench.sweep import main as bench_main
 
@@ -297,6 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     gpu.set_defaults(func=_bench_gpu)
+    cpu_lora = bench_sub.add_parser(
+        "cpu-lora",
+        help="CPU: the C++ LoRA kernels alone over a model's modules, by token count (ms, GFMA/s)",
+        add_help=False,
+    )
+    cpu_lora.set_defaults(func=_bench_cpu_lora)
     return parser
 
 
