@@ -170,11 +170,12 @@ inline void shrink_columns(const T* a, const T* const* x, Z* const* out, int64_t
 // A tile: NT tokens of one adapter and the columns (shrink) or vectors (expand) of output each of them takes at once.
 // With AVX2 their accumulators fill 12 of the 16 vector registers, so that enough independent FMAs are in flight to
 // hide the FMA's latency (a run of one token took two columns at a time before: two chains of FMAs), and each vector of
-// weights loaded serves NT tokens: on a 2-core AMD Zen 3, W1's 32 LoRA adds (8 adapters, weights cold) took 2.0-2.3 ms
-// at 64 tokens against 2.3-2.8, 5.2-6.3 at 256 against 6.9-8.5, the same bits. A run of more than kTileTokens tokens
-// takes several tiles. With AVX-512 the tiles stay what they were (all of a run's tokens, shrink's columns in pairs,
-// expand's vectors one at a time), the shape measured on the Zen 4 and the Xeons: no AVX-512 machine was at hand to
-// measure another (compiled for one, tiles of 16 zmm accumulators stay in registers; of 24, GCC spills the expand's).
+// weights loaded serves NT tokens: on a 2-core AMD Zen 3, W1's 32 LoRA adds (8 adapters, weights cold; `loraplex bench
+// cpu-lora`) took 5.5 ms at 256 tokens against 6.6-6.7, 38-39 at 2048 against 47-48 (the shrinks 16-17 against 27),
+// within 5% at 1-64 tokens, the same bits. A run of more than kTileTokens tokens takes several tiles. With AVX-512 the
+// tiles stay what they were (all of a run's tokens, shrink's columns in pairs, expand's vectors one at a time), the
+// shape measured on the Zen 4 and the Xeons: no AVX-512 machine was at hand to measure another (compiled for one, tiles
+// of 16 zmm accumulators stay in registers; of 24, GCC spills the expand's).
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kTileTokens = kMaxRun;
 template <int NT>
