@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from bench.engine import MODEL_56M
 from engine.config import DTYPES
 
 FLUSH_BYTES = 64 << 20
@@ -41,6 +42,17 @@ class LayerShape:
     q_width: int  # query heads x head_dim
     kv_width: int  # kv heads x head_dim
 
+    @classmethod
+    def of(cls, config: dict) -> LayerShape:
+        """The layer of a Llama config (transformers' keys)."""
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        return cls(
+            hidden=config["hidden_size"],
+            intermediate=config["intermediate_size"],
+            q_width=config["num_attention_heads"] * head_dim,
+            kv_width=config["num_key_value_heads"] * head_dim,
+        )
+
     def modules(self) -> list[tuple[int, tuple[int, ...]]]:
         return [
             (self.hidden, (self.q_width, self.kv_width, self.kv_width)),
@@ -50,10 +62,11 @@ class LayerShape:
         ]
 
 
-SHAPES = {  # name -> (layer shape, layers)
-    "w1": (LayerShape(hidden=512, intermediate=1408, q_width=512, kv_width=256), 8),
-    "smollm2": (LayerShape(hidden=576, intermediate=1536, q_width=576, kv_width=192), 30),
-}
+# SmolLM2-135M's decoder (the demo's model), in the same keys as bench.engine's W1 (MODEL_56M)
+SMOLLM2_135M = dict(
+    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3
+)
+CONFIGS = {"w1": MODEL_56M, "smollm2": SMOLLM2_135M}
 
 
 def fused_multiply_adds(modules: list[tuple[int, tuple[int, ...]]], rank: int, tokens: int) -> int:
@@ -63,7 +76,7 @@ def fused_multiply_adds(modules: list[tuple[int, tuple[int, ...]]], rank: int, t
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="loraplex bench cpu-lora", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="w1")
+    parser.add_argument("--shape", choices=sorted(CONFIGS), default="w1")
     parser.add_argument("--layers", type=int, help="decoder layers (default: the shape's)")
     parser.add_argument("--tokens", default="1,8,64,256,2048", help="token counts, comma separated")
     parser.add_argument("--adapters", type=int, default=8, help="adapter rows in each module's stack")
@@ -79,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     if cpu_native.load() is None:
         raise SystemExit("the C++ CPU kernels are not built here (no compiler, or LORAPLEX_CPU_KERNELS=0)")
     torch.set_num_threads(args.threads)
-    layer, default_layers = SHAPES[args.shape]
+    layer, default_layers = LayerShape.of(CONFIGS[args.shape]), CONFIGS[args.shape]["num_hidden_layers"]
     modules = layer.modules() * (args.layers or default_layers)
     token_counts = [int(t) for t in args.tokens.split(",")]
     results = {

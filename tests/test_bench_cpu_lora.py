@@ -22,7 +22,7 @@ def test_a_small_run_reports_every_token_count(tmp_path, require_cpu_kernel, cap
     results = cpu_lora.main([*argv, "--json", str(out)])
     assert json.loads(out.read_text()) == results
     assert [row["tokens"] for row in results["rows"]] == [1, 5]
-    w1, _ = cpu_lora.SHAPES["w1"]
+    w1 = cpu_lora.LayerShape.of(cpu_lora.CONFIGS["w1"])
     for row in results["rows"]:
         assert row["add_ms"] > 0 and row["shrink_ms"] > 0 and row["expand_ms"] > 0
         assert row["multiply_adds"] == cpu_lora.fused_multiply_adds(w1.modules(), 8, row["tokens"])
