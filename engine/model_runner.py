@@ -24,6 +24,7 @@ from engine.layers.decode_stack import DecodeStack
 from engine.layers.greedy_head import (
     AVX2_MAX_ROWS,
     CALIBRATION_ROWS,
+    GEMV_ROWS,
     Int8ScreenedGreedyHead,
     ScreenedGreedyHead,
 )
@@ -96,13 +97,24 @@ class ModelRunner:
         )
 
     def _greedy_head(self) -> ScreenedGreedyHead | Int8ScreenedGreedyHead | None:
-        """The screened greedy head where it pays, for an fp32 model on a CPU with the C++ kernels built (off with
-        screened_greedy=False): screened by bf16 logits where the CPU has native bf16 matmuls, else by int8 ones
-        where it has int8 dot products (VNNI), else by int8 ones at steps of up to AVX2_MAX_ROWS rows (AVX2)."""
+        """The screened greedy head where it pays, on a CPU with the C++ kernels built (off with
+        screened_greedy=False). For an fp32 model: screened by bf16 logits where the CPU has native bf16 matmuls,
+        else by int8 ones where it has int8 dot products (VNNI), else by int8 ones at steps of up to AVX2_MAX_ROWS
+        rows (AVX2). For a bf16 model: by int8 logits at steps of up to GEMV_ROWS rows, where the one-pass int8 GEMV
+        is built (half the bytes of the bf16 head's stream)."""
         config = self.config
-        if not config.screened_greedy or self.device.type != "cpu" or config.torch_dtype != torch.float32:
+        if not config.screened_greedy or self.device.type != "cpu" or cpu_native.load() is None:
             return None
-        if cpu_native.load() is None:
+        if config.torch_dtype == torch.bfloat16:
+            if not int8_logits_available():
+                return None
+            logger.info(
+                "greedy steps of up to %d rows take the bf16 model's LM head in int8, screened, only the candidates "
+                "in fp32 (the argmax of its bf16 logits)",
+                GEMV_ROWS,
+            )
+            return Int8ScreenedGreedyHead.for_bf16_model(self.model.lm_head.weight)
+        if config.torch_dtype != torch.float32:
             return None
         if can_pack(self.device, torch.bfloat16):  # its bf16 head is packed
             logger.info("greedy steps take the LM head in bf16, screened, only the candidates in fp32 (exact argmax)")

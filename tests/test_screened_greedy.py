@@ -25,6 +25,7 @@ from kernels.sampling import (
     int8_logits,
     int8_logits_available,
     screened_greedy_tokens,
+    screened_greedy_tokens_int8,
 )
 from tests.hf_models import make_model
 
@@ -353,6 +354,77 @@ def test_an_int8_head_of_a_few_rows_leaves_larger_steps_to_the_full_head(require
             assert torch.equal(tokens, (hidden.double() @ weight.double().T).argmax(dim=-1))
 
 
+def bf16_argmax(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The greedy tokens of a bf16 model's head: the first maximum of its fp32 sums rounded to bf16."""
+    return (hidden.double() @ weight.double().T).float().bfloat16().argmax(dim=-1)  # the first of equal maxima
+
+
+def test_a_bf16_heads_screen_takes_the_first_of_the_ties_bf16_rounding_makes(require_cpu_kernel):
+    """Token 3's logit 1 - 2^-10 and token 20's 1 + 2^-10 both round to 1.0 in bf16: the bf16 model's argmax is 3,
+    though 20 is higher in fp32 and the screen's bound is tight enough (every channel exact) to drop 3 from an fp32
+    screen. The bf16 screen keeps it (its floor lowered by the ties' reach) and rounds before comparing."""
+    hidden = torch.zeros(1, 8)
+    hidden[0, :2] = 1.0
+    weight = torch.zeros(40, 8)
+    weight[:, 0] = -4.0
+    weight[3, :2] = torch.tensor([1.0, -(2.0**-10)])
+    weight[20, :2] = torch.tensor([1.0, 2.0**-10])
+    logits = hidden @ weight.T  # [1, 40], exact: every value is a bf16 value, and so is each product
+    assert logits[0, 3] < logits[0, 20] and logits[0, 3].bfloat16() == logits[0, 20].bfloat16()
+    terms = torch.zeros(4, 40)  # every channel exact: no int8 part, its scales and errors 0
+    terms[3] = weight.norm(dim=1)
+
+    def tokens_and_candidates(bf16_logits: bool) -> tuple[int, int]:
+        dots, hidden_terms = torch.zeros(1, 40, dtype=torch.int32), torch.zeros(1, 3)
+        tokens, counts = screened_greedy_tokens_int8(dots, logits, hidden, hidden_terms, weight, terms, bf16_logits)
+        return int(tokens[0]), int(counts[0])
+
+    assert tokens_and_candidates(False) == (20, 1)  # fp32: 3 is screened out
+    assert tokens_and_candidates(True) == (3, 2)
+    assert int(bf16_argmax(hidden, weight)[0]) == 3
+
+
+def tying_logits(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [rows, 64] and weight [3000, 64] of small integers (bf16 values): every logit is an exact integer in
+    fp32 whatever the order of the sum, 4352-5341 here, where bf16 (8 significant bits) rounds to multiples of 32, so
+    rows' top logits often tie after rounding."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randint(-6, 7, (rows, 64), generator=g).float()
+    weight = torch.randint(-6, 7, (3000, 64), generator=g).float()
+    hidden[:, 9], weight[:, 9] = 8.0, 600.0  # every logit shifted up by 4800
+    return hidden, weight
+
+
+@pytest.mark.parametrize("at_a_time", AT_A_TIME)
+@pytest.mark.parametrize("exact_channels", [[], [0, 5, 63]])
+def test_a_bf16_heads_screen_gives_the_argmax_of_its_bf16_logits(exact_channels, at_a_time, require_cpu_kernel):
+    """The token is the first of the top logits that tie after rounding to bf16 (9 of the 24 rows have such ties)."""
+    hidden, weight = tying_logits(24, seed=7)
+    rounded = (hidden @ weight.T).bfloat16().float()  # [24, 3000]
+    assert int(((rounded == rounded.amax(dim=1, keepdim=True)).sum(dim=1) > 1).sum()) >= 6  # rows with ties at top
+    assert not torch.equal((hidden @ weight.T).argmax(dim=-1), bf16_argmax(hidden, weight))  # fp32's argmax differs
+    layout = Int8HeadLayout(weight, torch.tensor(exact_channels, dtype=torch.long))
+    tokens = torch.cat([layout.screen(rows, bf16_logits=True)[0] for rows in hidden.split(at_a_time or 24)])
+    assert torch.equal(tokens, bf16_argmax(hidden, weight))
+
+
+def test_a_bf16_models_head_screens_steps_of_a_few_rows_in_bf16s_terms(require_int8_logits):
+    """Int8ScreenedGreedyHead.for_bf16_model: the head's bf16 weight and bf16 hidden rows in; steps of up to GEMV_ROWS
+    rows give the argmax of the bf16 logits once calibrated, the first of their ties, larger ones None (the model's
+    own head)."""
+    from engine.layers import greedy_head
+
+    hidden, weight = tying_logits(32, seed=8)
+    hidden, weight = hidden.bfloat16(), weight.bfloat16()  # exactly
+    head = Int8ScreenedGreedyHead.for_bf16_model(weight)
+    assert head.weight.dtype == torch.float32 and torch.equal(head.weight, weight.float())
+    head.gather(hidden[:8])  # the runner's prompt at start
+    assert head.layout is not None
+    tokens = torch.cat([head.tokens(rows) for rows in hidden[8:].split(greedy_head.GEMV_ROWS)])
+    assert torch.equal(tokens, bf16_argmax(hidden[8:].float(), weight.float()))
+    assert head.tokens(hidden[: greedy_head.GEMV_ROWS + 1]) is None
+
+
 def test_int8_screen_without_a_finite_head_or_hidden_state(require_cpu_kernel):
     g = torch.Generator().manual_seed(1)
     hidden, weight = torch.randn(3, 32, generator=g), torch.randn(100, 32, generator=g)
@@ -406,6 +478,49 @@ def test_the_engine_gives_the_same_greedy_tokens_with_the_screened_head_as_witho
     llm.generate(prompts[:1], with_logprobs)
     assert not calls  # a row that reads its logits takes the full head
     runner.greedy_head = saved
+
+
+def test_a_bf16_engine_gives_the_same_greedy_tokens_with_the_screened_head_as_without(
+    tmp_path_factory, tokenizer, require_int8_logits
+):
+    """A bf16 model: the runner builds the int8 head of a bf16 model, steps of up to GEMV_ROWS rows take their tokens
+    from it (a random model's bf16 logits tie often at the top: the first of the ties, as the full head's argmax), and
+    the tokens are those of the model's own bf16 head."""
+    from engine.layers import greedy_head
+
+    directory = tmp_path_factory.mktemp("screened_bf16")
+    make_model(directory, tokenizer, "llama")
+    llm = LLM(model=str(directory), dtype="bfloat16", device="cpu", num_kv_blocks=256, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    head = runner.greedy_head
+    assert isinstance(head, Int8ScreenedGreedyHead) and head.bf16_logits and head.max_rows == greedy_head.GEMV_ROWS
+    assert head.layout is not None or head.off  # calibrated at start
+    # screen every step (a tiny vocabulary's calibration may turn it off)
+    head.layout, head.off = Int8HeadLayout(head.weight, torch.tensor([1, 17])), False
+    screened_rows = []
+    tokens_of = head.tokens
+
+    def counted(hidden: torch.Tensor) -> torch.Tensor | None:
+        token_ids = tokens_of(hidden)
+        if token_ids is not None:
+            screened_rows.append(hidden.shape[0])
+        return token_ids
+
+    head.tokens = counted
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def generate() -> list[list[int]]:
+        batched = [o.outputs[0].token_ids for o in llm.generate(prompts[: greedy_head.GEMV_ROWS], params)]
+        return batched + [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+
+    screened = generate()
+    assert sum(screened_rows) >= (greedy_head.GEMV_ROWS + 4) * 11  # every decode step's tokens came from the screen
+    runner.greedy_head = None
+    assert generate() == screened
+    off = LLM(model=str(directory), dtype="bfloat16", device="cpu", num_kv_blocks=16, screened_greedy=False)
+    assert off.engine.runner.greedy_head is None
 
 
 def test_only_rows_that_read_nothing_but_their_argmax_skip_the_full_logits():

@@ -1,4 +1,4 @@
-"""Screened greedy heads: greedy tokens of an fp32 LM head at a fraction of its cost, from a cheaper approximate head.
+"""Screened greedy heads: greedy tokens of an LM head at a fraction of its cost, from a cheaper approximate head.
 
 A decode step's LM head is its largest matmul ([B, H] x [H, V], V = 32-49K): 16% of a W1 run in fp32. When every row
 of a step only wants its argmax (greedy, no logprobs, no penalties), the head runs in lower precision instead, and
@@ -19,7 +19,10 @@ at one stream. A CPU with AVX2 and neither bf16 nor VNNI (AMD Zen 3 and older) g
 AVX2_MAX_ROWS rows (the GEMV's AVX2 path; the full fp32 head above). Where kernels/linear's bf16 panels beat oneDNN
 (`engine.cpu_features.bf16_panel_linear_wins`: AMD Zen 4) the bf16 screen takes them at every row count instead of
 oneDNN's GEMM and the bf16 GEMV: W1's head cold, 0.58-0.68 of oneDNN's time at 1-8 rows, 0.81 at 16-32, 0.91 at 64;
-a SmolLM2-sized one 0.70-0.73, 0.88-0.94 and 1.04.
+a SmolLM2-sized one 0.70-0.73, 0.88-0.94 and 1.04. A bf16 model's head takes the int8 screen at steps of up to
+GEMV_ROWS rows (`Int8ScreenedGreedyHead.for_bf16_model`, over an fp32 copy of its head): the token is the first
+maximum of its logits rounded to bf16, as the argmax of the model's own bf16 logits picks; on that Zen 4 W1 in bf16
+took 0.89-0.92 of the time per token at one stream and 0.86 at 3, the demo's SmolLM2 0.98, 0.95 and 1.01 at 1-3.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ INT8_MAX = 127  # symmetric int8: q in [-127, 127]
 CALIBRATION_ROWS = 8  # finite hidden rows the int8 head gathers over calls to pick its layout (full head till then)
 EXACT_CHANNEL_SHARES = (0.0, 1 / 64, 1 / 32, 1 / 16)  # of the hidden size, taken exactly, tried at calibration
 CALIBRATION_VOCAB_STRIDE = 8  # calibration tries the layouts on every 8th head row
+# The int8 screen stays on where its estimated cost (in fp32 dot products of a hidden row and a head row) is below
+# this share of the vocabulary: half the fp32 head's, and 0.8 of the bf16 head's for a bf16 model's head.
+FP32_HEAD_PAYS_BELOW = 0.5
+BF16_HEAD_PAYS_BELOW = 0.4
 QUANTIZE_ROWS = 4096  # head rows quantized at a time
 # Hidden rows up to which the bf16 screen takes kernels/sampling's one-pass GEMV over a plain bf16 copy of the head
 # rather than oneDNN's prepacked GEMM: on a 2-core AMD Zen 4, W1's head (32000 x 512), weight cold, paired calls,
@@ -128,25 +135,37 @@ class Int8ScreenedGreedyHead:
     estimated cost; where none costs under half the fp32 head's, the screen turns itself off (the full head, logged).
     Exact whatever the rows: a later outlier costs candidates, never a wrong token."""
 
-    def __init__(self, weight: torch.Tensor, max_rows: int | None = None):
+    def __init__(self, weight: torch.Tensor, max_rows: int | None = None, bf16_logits: bool = False):
         """weight: the LM head's [V, H] fp32 weight, before it is packed; max_rows: the most hidden rows a call
-        screens (more: None, the full head), where only the one-pass GEMV pays (a CPU without VNNI)."""
+        screens (more: None, the full head), where only the one-pass GEMV pays (a CPU without VNNI). bf16_logits:
+        the head of a bf16 model (`for_bf16_model`), its tokens the argmax of its logits rounded to bf16."""
         self.weight = weight.detach().contiguous()  # [V, H] fp32 (the same storage as a tied embedding's)
         self.max_rows = max_rows
+        self.bf16_logits = bf16_logits
         self.layout: Int8HeadLayout | None = None
         self.off = False  # calibrated, and the screen would not pay here
         self.gathered: list[torch.Tensor] = []  # finite hidden rows of calls before calibration, [n, H] each
 
+    @classmethod
+    def for_bf16_model(cls, weight: torch.Tensor) -> Int8ScreenedGreedyHead:
+        """The screen of a bf16 model's head [V, H] bf16, at steps of up to GEMV_ROWS rows (above, the model's own
+        bf16 GEMM pays as well). It keeps an fp32 copy of the head (twice its bf16 bytes; read only at the
+        candidates) beside the int8 one. Its tokens are those of the model's bf16 logits, the first of the ties that
+        bf16's rounding makes, except where a candidate's fp32 sum, taken in another order than the GEMM's, lies
+        within float rounding of a bf16 rounding boundary (kernels/sampling/csrc/screened_greedy_cpu.cpp)."""
+        return cls(weight.detach().float(), max_rows=GEMV_ROWS, bf16_logits=True)
+
     def tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [B, H] fp32 -> [B] int64 greedy tokens (-1: the row's logits are not finite); None when the screen
-        is not calibrated yet or off, cannot decide (the head holds a NaN or an infinity), or the kernel is missing:
-        the caller computes full logits."""
+        """hidden [B, H] fp32 (bf16 for a bf16 model's head) -> [B] int64 greedy tokens (-1: the row's logits are not
+        finite); None when the screen is not calibrated yet or off, cannot decide (the head holds a NaN or an
+        infinity), or the kernel is missing: the caller computes full logits."""
         if self.max_rows is not None and hidden.shape[0] > self.max_rows:
             return None
+        hidden = hidden.float()  # [B, H]; a bf16 model's rows exactly
         self.gather(hidden)
         if self.layout is None:
             return None
-        screened = self.layout.screen(hidden)
+        screened = self.layout.screen(hidden, self.bf16_logits)
         if screened is None or bool((screened[0] == UNDECIDED).any()):
             return None
         return screened[0]
@@ -156,6 +175,7 @@ class Int8ScreenedGreedyHead:
         one large batch, or a few steps of one stream), calibrates on them. Nothing once calibrated (or off)."""
         if self.layout is not None or self.off:
             return
+        hidden = hidden.float()
         finite = hidden[torch.isfinite(hidden).all(dim=1)]  # [n, H], a copy
         if finite.shape[0]:
             self.gathered.append(finite)
@@ -167,7 +187,8 @@ class Int8ScreenedGreedyHead:
         """The layout of least estimated cost on these rows, tried on every CALIBRATION_VOCAB_STRIDE-th head row (a
         few hundred ms for all of them on the full head), in units of one fp32 dot product of a hidden row and a head
         row: the int8 GEMM (~1/4 of fp32's), the exact channels' fp32 GEMM, and twice each candidate (a scattered
-        dot). Then builds the chosen one for the whole head."""
+        dot). Then builds the chosen one for the whole head. Off where that costs half the fp32 head's or more (0.4 of
+        it, 0.8 of the bf16 head's ~1/2, for a bf16 model's head)."""
         sample = self.weight[::CALIBRATION_VOCAB_STRIDE].contiguous()  # [V / stride, H]
         vocab, dim = sample.shape
         largest = hidden.abs().amax(dim=0).argsort(descending=True)  # [H] channels, largest magnitude first
@@ -182,12 +203,14 @@ class Int8ScreenedGreedyHead:
             tried.append(f"{channels.numel()}: {candidates:.0f}")
             if cost < best_cost:
                 best, best_cost = channels, cost
-        self.off = best_cost >= vocab / 2
+        self.off = best_cost >= vocab * (BF16_HEAD_PAYS_BELOW if self.bf16_logits else FP32_HEAD_PAYS_BELOW)
         logger.info(
             "int8 screened head: candidates a row of %d sampled tokens by channels taken exactly (%s): %s",
             vocab,
             ", ".join(tried),
-            "off, the full fp32 head pays better" if self.off else f"{best.numel()} channels exact",
+            f"off, the full {'bf16' if self.bf16_logits else 'fp32'} head pays better"
+            if self.off
+            else f"{best.numel()} channels exact",
         )
         return None if self.off else Int8HeadLayout(self.weight, best)
 
@@ -217,8 +240,9 @@ class Int8HeadLayout:
         self.one_pass = int8_logits_available()  # kernels/sampling's int8_logits, up to INT8_GEMV_ROWS rows
         self.exact_t = weight.index_select(1, exact_channels).t().contiguous()  # [m, V]
 
-    def screen(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """hidden [B, H] fp32 -> ([B] tokens, [B] candidates a row) from kernels/sampling's int8 screen."""
+    def screen(self, hidden: torch.Tensor, bf16_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """hidden [B, H] fp32 -> ([B] tokens, [B] candidates a row) from kernels/sampling's int8 screen (bf16_logits:
+        the argmax of the logits rounded to bf16, a bf16 model's head)."""
         hidden = hidden.contiguous()
         split = self.exact_channels.numel() > 0
         if hidden.shape[0] <= INT8_GEMV_ROWS and self.one_pass:  # one C++ call: quantize, one pass over the head
@@ -230,7 +254,7 @@ class Int8HeadLayout:
             dots = torch._int_mm(quantized.to(torch.int8), self.quantized_t)  # [B, V] int32, exact
             hidden_terms = torch.stack([scale, error, part.norm(dim=1)], dim=1)  # [B, 3]
         exact = hidden.index_select(1, self.exact_channels) @ self.exact_t if split else None  # [B, V]
-        return screened_greedy_tokens_int8(dots, exact, hidden, hidden_terms, self.weight, self.terms)
+        return screened_greedy_tokens_int8(dots, exact, hidden, hidden_terms, self.weight, self.terms, bf16_logits)
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

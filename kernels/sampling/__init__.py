@@ -68,6 +68,7 @@ def screened_greedy_tokens_int8(
     hidden_terms: torch.Tensor,
     weight: torch.Tensor,
     weight_terms: torch.Tensor,
+    bf16_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The argmax of each row of the fp32 logits hidden @ weight.T, screened by int8: the hidden channels split into
     a few taken exactly (their part of the logits, `exact`) and the rest quantized, hidden = s_h q_h + e_h and
@@ -77,8 +78,10 @@ def screened_greedy_tokens_int8(
     (s_h, |e_h|, |h| on the quantized channels) · weight [V, H] fp32 (contiguous) · weight_terms [4, V]: (s_v, |e_v|,
     |s_v q_v|, |weight[v]|).
     Returns ([B] int64 tokens: -1 where the logits are not finite, UNDECIDED where the screen is not; [B] int64: how
-    many tokens of each row were computed in fp32); None without the C++ kernels."""
+    many tokens of each row were computed in fp32); None without the C++ kernels.
+    bf16_logits: a bf16 model's head (hidden and weight hold bf16 values): the argmax of its logits rounded to bf16,
+    the first of the ties that rounding makes, as the argmax of the model's own bf16 logits."""
     native = cpu_native.load()
     if native is None:
         return None
-    return native.screened_greedy_int8_cpu(dots, exact, hidden, hidden_terms, weight, weight_terms)
+    return native.screened_greedy_int8_cpu(dots, exact, hidden, hidden_terms, weight, weight_terms, bf16_logits)

@@ -27,8 +27,15 @@
 //   screened_greedy_int8_cpu(dots [B, V] int32, exact [B, V] float32 or None (x), hidden [B, H] float32,
 //                            hidden_terms [B, 3] float32 (s_h, |e_h|, |h| of the quantized channels),
 //                            weight [V, H] float32, weight_terms [4, V] float32 (s_i, |e_i|, |s_i q_i| on the quantized
-//                            channels, |w_i|))
+//                            channels, |w_i|), bf16_logits = False)
 //       -> ([B] int64, [B] int64: each row's number of candidates computed in fp32)
+//   bf16_logits: the head of a bf16 model, whose logits are its fp32 sums rounded to bf16 (h and w_i hold bf16
+//   values): the token is the first maximum of the candidates' fp32 dot products rounded to bf16, as the argmax of
+//   the model's own bf16 logits picks among the ties that rounding makes. A token ties the maximum when its f_i
+//   rounds to the same bf16 value, so it may lie up to a bf16 spacing and a half below it (at most 1.5 2^-7 of it,
+//   the spacing below a power of two being half the one above): L is lowered by 2^-6 |L| (and by the smallest
+//   normal float, for L near 0) before the candidates are taken. A candidate's fp32 sum runs in another order than
+//   the model's GEMM, so where it lies within float rounding of a bf16 rounding boundary the two may round apart.
 //   The tokens: each row's; -1 where a candidate's fp32 logit is NaN or infinite (the row's logits are not finite);
 //   -2 where the screen cannot tell (an approximate logit is NaN or infinite): the caller then computes the full
 //   logits.
@@ -57,6 +64,7 @@ constexpr float kOutputBound = 1.f / 128;  // bf16: 2^-7, twice the bf16 output'
 constexpr float kInt8Slack = 1.0625f;  // int8: the margin on the Cauchy-Schwarz terms for float arithmetic
 constexpr float kInt8OutputBound = 1.f / (1 << 20);  // int8: the approximate logit's float products, with margin
 constexpr float kUlp = 1.f / (1 << 24);
+constexpr float kBf16TieMargin = 1.f / 64;  // bf16 logits: 2^-6, above the 1.5 2^-7 a tie can lie below
 
 float dot(const float* a, const float* b, int64_t n) {
   Vec acc(0.f);
@@ -112,10 +120,10 @@ struct Int8Screen {
 };
 
 // The first token of the row's largest fp32 logit among the screen's candidates (see the top of the file); adds the
-// number of candidates to *candidates.
+// number of candidates to *candidates. bf16_logits: of the largest fp32 logit rounded to bf16, ties taken in.
 template <class Screen>
 int64_t screened_row(const Screen& screen, const float* h, const float* weight, int64_t vocab, int64_t hidden,
-                     int64_t* candidates) {
+                     int64_t* candidates, bool bf16_logits = false) {
   constexpr int64_t kLanes = Vec::size();
   const int64_t body = vocab / kLanes * kLanes;
   Vec lowest(-std::numeric_limits<float>::infinity()), poison(0.f);
@@ -134,11 +142,13 @@ int64_t screened_row(const Screen& screen, const float* h, const float* weight, 
     if (!std::isfinite(a)) return -2;
     floor = std::max(floor, a - screen.bound1(i, a));
   }
+  if (bf16_logits) floor -= kBf16TieMargin * std::abs(floor) + std::numeric_limits<float>::min();
   float best = -std::numeric_limits<float>::infinity();
   int64_t best_at = -1;
   auto consider = [&](int64_t i) {  // ascending i: the first of equal maxima stays
     ++*candidates;
-    const float exact = dot(h, weight + i * hidden, hidden);
+    float exact = dot(h, weight + i * hidden, hidden);
+    if (bf16_logits) exact = static_cast<float>(BFloat16(exact));  // NaN and infinities stay what they are
     if (!std::isfinite(exact)) return false;
     if (exact > best) best = exact, best_at = i;
     return true;
@@ -163,16 +173,19 @@ int64_t screened_row(const Screen& screen, const float* h, const float* weight, 
 float norm(const float* h, int64_t hidden) { return std::sqrt(dot(h, h, hidden)); }
 
 // Screens each row of hidden [num_rows, dim] (row stride h_stride): tokens[b] as screened_row gives it with the
-// screen make_screen(b, |h_b|) builds (-1 where h_b is not finite), candidates[b] (nullptr: not kept) its count.
+// screen make_screen(b, |h_b|) builds (-1 where h_b is not finite), candidates[b] (nullptr: not kept) its count;
+// bf16_logits as for screened_greedy_int8_cpu (top of the file).
 template <class MakeScreen>
 void screen_rows(int64_t num_rows, const float* h, int64_t h_stride, int64_t dim, const float* weight, int64_t vocab,
-                 const MakeScreen& make_screen, int64_t* tokens, int64_t* candidates) {
+                 const MakeScreen& make_screen, int64_t* tokens, int64_t* candidates, bool bf16_logits = false) {
   at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const float* row = h + b * h_stride;
       const float h_norm = norm(row, dim);
       int64_t count = 0;
-      tokens[b] = std::isfinite(h_norm) ? screened_row(make_screen(b, h_norm), row, weight, vocab, dim, &count) : -1;
+      tokens[b] = std::isfinite(h_norm)
+                      ? screened_row(make_screen(b, h_norm), row, weight, vocab, dim, &count, bf16_logits)
+                      : -1;
       if (candidates != nullptr) candidates[b] = count;
     }
   });
@@ -213,7 +226,8 @@ at::Tensor screened_greedy_cpu(const at::Tensor& approx, const at::Tensor& hidde
 std::tuple<at::Tensor, at::Tensor> screened_greedy_int8_cpu(const at::Tensor& dots,
                                                              const std::optional<at::Tensor>& exact,
                                                              const at::Tensor& hidden, const at::Tensor& hidden_terms,
-                                                             const at::Tensor& weight, const at::Tensor& weight_terms) {
+                                                             const at::Tensor& weight, const at::Tensor& weight_terms,
+                                                             bool bf16_logits) {
   check_rows(dots, "dots", at::kInt);
   check_rows(hidden, "hidden");
   const int64_t num_rows = dots.size(0), vocab = dots.size(1), dim = hidden.size(1);
@@ -253,7 +267,7 @@ std::tuple<at::Tensor, at::Tensor> screened_greedy_int8_cpu(const at::Tensor& do
                       kInt8Slack * terms[1],
                       2.f * static_cast<float>(dim) * kUlp * h_norm};
   };
-  screen_rows(num_rows, h, hidden.stride(0), dim, w, vocab, make_screen, tokens, candidates);
+  screen_rows(num_rows, h, hidden.stride(0), dim, w, vocab, make_screen, tokens, candidates, bf16_logits);
   return std::make_tuple(out, counts);
 }
 
@@ -261,7 +275,7 @@ TORCH_LIBRARY_FRAGMENT(loraplex, m) {
   m.def("screened_greedy_cpu(Tensor approx, Tensor hidden, Tensor weight, Tensor row_norms) -> Tensor");
   m.def(
       "screened_greedy_int8_cpu(Tensor dots, Tensor? exact, Tensor hidden, Tensor hidden_terms, Tensor weight, "
-      "Tensor weight_terms) -> (Tensor, Tensor)");
+      "Tensor weight_terms, bool bf16_logits=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(loraplex, CPU, m) {
