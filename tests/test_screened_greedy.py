@@ -395,15 +395,19 @@ def tying_logits(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return hidden, weight
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("at_a_time", AT_A_TIME)
 @pytest.mark.parametrize("exact_channels", [[], [0, 5, 63]])
-def test_a_bf16_heads_screen_gives_the_argmax_of_its_bf16_logits(exact_channels, at_a_time, require_cpu_kernel):
-    """The token is the first of the top logits that tie after rounding to bf16 (9 of the 24 rows have such ties)."""
+def test_a_bf16_heads_screen_gives_the_argmax_of_its_bf16_logits(
+    exact_channels, at_a_time, weight_dtype, require_cpu_kernel
+):
+    """The token is the first of the top logits that tie after rounding to bf16 (9 of the 24 rows have such ties);
+    the head's rows in fp32 or in bf16 (a bf16 model's own, read as they are), the same values."""
     hidden, weight = tying_logits(24, seed=7)
     rounded = (hidden @ weight.T).bfloat16().float()  # [24, 3000]
     assert int(((rounded == rounded.amax(dim=1, keepdim=True)).sum(dim=1) > 1).sum()) >= 6  # rows with ties at top
     assert not torch.equal((hidden @ weight.T).argmax(dim=-1), bf16_argmax(hidden, weight))  # fp32's argmax differs
-    layout = Int8HeadLayout(weight, torch.tensor(exact_channels, dtype=torch.long))
+    layout = Int8HeadLayout(weight.to(weight_dtype), torch.tensor(exact_channels, dtype=torch.long))
     tokens = torch.cat([layout.screen(rows, bf16_logits=True)[0] for rows in hidden.split(at_a_time or 24)])
     assert torch.equal(tokens, bf16_argmax(hidden, weight))
 
@@ -417,7 +421,7 @@ def test_a_bf16_models_head_screens_steps_of_a_few_rows_in_bf16s_terms(require_i
     hidden, weight = tying_logits(32, seed=8)
     hidden, weight = hidden.bfloat16(), weight.bfloat16()  # exactly
     head = Int8ScreenedGreedyHead.for_bf16_model(weight)
-    assert head.weight.dtype == torch.float32 and torch.equal(head.weight, weight.float())
+    assert head.weight.data_ptr() == weight.data_ptr()  # the head's own bf16 rows, no fp32 copy
     head.gather(hidden[:8])  # the runner's prompt at start
     assert head.layout is not None
     tokens = torch.cat([head.tokens(rows) for rows in hidden[8:].split(greedy_head.GEMV_ROWS)])

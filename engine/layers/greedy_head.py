@@ -20,9 +20,9 @@ AVX2_MAX_ROWS rows (the GEMV's AVX2 path; the full fp32 head above). Where kerne
 (`engine.cpu_features.bf16_panel_linear_wins`: AMD Zen 4) the bf16 screen takes them at every row count instead of
 oneDNN's GEMM and the bf16 GEMV: W1's head cold, 0.58-0.68 of oneDNN's time at 1-8 rows, 0.81 at 16-32, 0.91 at 64;
 a SmolLM2-sized one 0.70-0.73, 0.88-0.94 and 1.04. A bf16 model's head takes the int8 screen at steps of up to
-GEMV_ROWS rows (`Int8ScreenedGreedyHead.for_bf16_model`, over an fp32 copy of its head): the token is the first
+GEMV_ROWS rows (`Int8ScreenedGreedyHead.for_bf16_model`, over its bf16 rows and an int8 copy): the token is the first
 maximum of its logits rounded to bf16, as the argmax of the model's own bf16 logits picks; on that Zen 4 W1 in bf16
-took 0.89-0.92 of the time per token at one stream and 0.86 at 3, the demo's SmolLM2 0.98, 0.95 and 1.01 at 1-3.
+took 0.78-0.92 of the time per token at one stream and 0.82-0.86 at 3, the demo's SmolLM2 0.96-0.98 and 0.93-1.01.
 """
 
 from __future__ import annotations
@@ -136,10 +136,11 @@ class Int8ScreenedGreedyHead:
     Exact whatever the rows: a later outlier costs candidates, never a wrong token."""
 
     def __init__(self, weight: torch.Tensor, max_rows: int | None = None, bf16_logits: bool = False):
-        """weight: the LM head's [V, H] fp32 weight, before it is packed; max_rows: the most hidden rows a call
-        screens (more: None, the full head), where only the one-pass GEMV pays (a CPU without VNNI). bf16_logits:
-        the head of a bf16 model (`for_bf16_model`), its tokens the argmax of its logits rounded to bf16."""
-        self.weight = weight.detach().contiguous()  # [V, H] fp32 (the same storage as a tied embedding's)
+        """weight: the LM head's [V, H] fp32 weight (bf16 for a bf16 model), before it is packed; max_rows: the most
+        hidden rows a call screens (more: None, the full head), where only the one-pass GEMV pays (a CPU without
+        VNNI). bf16_logits: the head of a bf16 model (`for_bf16_model`), its tokens the argmax of its logits rounded
+        to bf16."""
+        self.weight = weight.detach().contiguous()  # [V, H] (the same storage as a tied embedding's)
         self.max_rows = max_rows
         self.bf16_logits = bf16_logits
         self.layout: Int8HeadLayout | None = None
@@ -149,11 +150,11 @@ class Int8ScreenedGreedyHead:
     @classmethod
     def for_bf16_model(cls, weight: torch.Tensor) -> Int8ScreenedGreedyHead:
         """The screen of a bf16 model's head [V, H] bf16, at steps of up to GEMV_ROWS rows (above, the model's own
-        bf16 GEMM pays as well). It keeps an fp32 copy of the head (twice its bf16 bytes; read only at the
-        candidates) beside the int8 one. Its tokens are those of the model's bf16 logits, the first of the ties that
+        bf16 GEMM pays as well): the candidates' dot products read the head's own bf16 rows, and an int8 copy (half
+        its bytes) is added. Its tokens are those of the model's bf16 logits, the first of the ties that
         bf16's rounding makes, except where a candidate's fp32 sum, taken in another order than the GEMM's, lies
         within float rounding of a bf16 rounding boundary (kernels/sampling/csrc/screened_greedy_cpu.cpp)."""
-        return cls(weight.detach().float(), max_rows=GEMV_ROWS, bf16_logits=True)
+        return cls(weight, max_rows=GEMV_ROWS, bf16_logits=True)
 
     def tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [B, H] fp32 (bf16 for a bf16 model's head) -> [B] int64 greedy tokens (-1: the row's logits are not
@@ -220,7 +221,8 @@ class Int8HeadLayout:
     quantized with one int8 scale a vocabulary row ([H - m, V] int8, the column-major B of torch._int_mm)."""
 
     def __init__(self, weight: torch.Tensor, exact_channels: torch.Tensor):
-        """weight [V, H] fp32; exact_channels [m] int64, ascending."""
+        """weight [V, H] fp32 or bf16 (a bf16 model's head: its terms and exact channels taken in fp32);
+        exact_channels [m] int64, ascending."""
         kept = torch.ones(weight.shape[1], dtype=torch.bool)
         kept[exact_channels] = False
         self.weight, self.exact_channels = weight, exact_channels
@@ -230,7 +232,7 @@ class Int8HeadLayout:
         self.terms = torch.empty(4, vocab)  # [4, V]: s_v, |e_v|, |s_v q_v|, |w_v|
         for start in range(0, vocab, QUANTIZE_ROWS):  # in blocks: a large head's fp32 temporaries stay small
             rows = slice(start, start + QUANTIZE_ROWS)
-            block = weight[rows]  # [R, H]
+            block = weight[rows].float()  # [R, H]
             part = block.index_select(1, self.quantized_channels) if exact_channels.numel() else block  # [R, H - m]
             scale, block_quantized, error = _quantize_rows(part)  # [R], [R, H - m], [R]
             quantized[rows] = block_quantized.to(torch.int8)
@@ -238,7 +240,7 @@ class Int8HeadLayout:
             self.terms[:, rows] = torch.stack([scale, error, dequantized_norm, block.norm(dim=1)])
         self.quantized_t = quantized.t()  # [H - m, V]: a [V, H - m] int8 tensor
         self.one_pass = int8_logits_available()  # kernels/sampling's int8_logits, up to INT8_GEMV_ROWS rows
-        self.exact_t = weight.index_select(1, exact_channels).t().contiguous()  # [m, V]
+        self.exact_t = weight.index_select(1, exact_channels).t().float().contiguous()  # [m, V] fp32
 
     def screen(self, hidden: torch.Tensor, bf16_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """hidden [B, H] fp32 -> ([B] tokens, [B] candidates a row) from kernels/sampling's int8 screen (bf16_logits:

@@ -29,13 +29,13 @@
 //                            weight [V, H] float32, weight_terms [4, V] float32 (s_i, |e_i|, |s_i q_i| on the quantized
 //                            channels, |w_i|), bf16_logits = False)
 //       -> ([B] int64, [B] int64: each row's number of candidates computed in fp32)
-//   bf16_logits: the head of a bf16 model, whose logits are its fp32 sums rounded to bf16 (h and w_i hold bf16
-//   values): the token is the first maximum of the candidates' fp32 dot products rounded to bf16, as the argmax of
-//   the model's own bf16 logits picks among the ties that rounding makes. A token ties the maximum when its f_i
-//   rounds to the same bf16 value, so it may lie up to a bf16 spacing and a half below it (at most 1.5 2^-7 of it,
-//   the spacing below a power of two being half the one above): L is lowered by 2^-6 |L| (and by the smallest
-//   normal float, for L near 0) before the candidates are taken. A candidate's fp32 sum runs in another order than
-//   the model's GEMM, so where it lies within float rounding of a bf16 rounding boundary the two may round apart.
+//   bf16_logits: the head of a bf16 model (weight float32 or bfloat16), whose logits are its fp32 sums rounded to bf16
+//   (h and w_i hold bf16 values): the token is the first maximum of the candidates' fp32 dot products rounded to bf16,
+//   as the argmax of the model's own bf16 logits picks among the ties that rounding makes. A token ties the maximum
+//   when its f_i rounds to the same bf16 value, so it may lie up to a bf16 spacing and a half below it (at most 1.5
+//   2^-7 of it, the spacing below a power of two being half the one above): L is lowered by 2^-6 |L| (and by the
+//   smallest normal float, for L near 0) before the candidates are taken. A candidate's fp32 sum runs in another order
+//   than the model's GEMM, so where it lies within float rounding of a bf16 rounding boundary the two may round apart.
 //   The tokens: each row's; -1 where a candidate's fp32 logit is NaN or infinite (the row's logits are not finite);
 //   -2 where the screen cannot tell (an approximate logit is NaN or infinite): the caller then computes the full
 //   logits.
@@ -56,6 +56,7 @@ namespace {
 
 using loraplex::BFloat16;
 using loraplex::check_rows;
+using loraplex::dispatch_float_bf16;
 using loraplex::load_f32;
 using loraplex::Vec;
 
@@ -66,12 +67,14 @@ constexpr float kInt8OutputBound = 1.f / (1 << 20);  // int8: the approximate lo
 constexpr float kUlp = 1.f / (1 << 24);
 constexpr float kBf16TieMargin = 1.f / 64;  // bf16 logits: 2^-6, above the 1.5 2^-7 a tie can lie below
 
-float dot(const float* a, const float* b, int64_t n) {
+// a . b in fp32, b float32 or bfloat16 (widened: the products of bf16 values are exact in fp32).
+template <typename W>
+float dot(const float* a, const W* b, int64_t n) {
   Vec acc(0.f);
   int64_t j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + j), Vec::loadu(b + j), acc);
+  for (; j + Vec::size() <= n; j += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + j), load_f32(b + j), acc);
   float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
-  for (; j < n; ++j) sum += a[j] * b[j];
+  for (; j < n; ++j) sum += a[j] * static_cast<float>(b[j]);
   return sum;
 }
 
@@ -121,8 +124,8 @@ struct Int8Screen {
 
 // The first token of the row's largest fp32 logit among the screen's candidates (see the top of the file); adds the
 // number of candidates to *candidates. bf16_logits: of the largest fp32 logit rounded to bf16, ties taken in.
-template <class Screen>
-int64_t screened_row(const Screen& screen, const float* h, const float* weight, int64_t vocab, int64_t hidden,
+template <class Screen, typename W>
+int64_t screened_row(const Screen& screen, const float* h, const W* weight, int64_t vocab, int64_t hidden,
                      int64_t* candidates, bool bf16_logits = false) {
   constexpr int64_t kLanes = Vec::size();
   const int64_t body = vocab / kLanes * kLanes;
@@ -175,8 +178,8 @@ float norm(const float* h, int64_t hidden) { return std::sqrt(dot(h, h, hidden))
 // Screens each row of hidden [num_rows, dim] (row stride h_stride): tokens[b] as screened_row gives it with the
 // screen make_screen(b, |h_b|) builds (-1 where h_b is not finite), candidates[b] (nullptr: not kept) its count;
 // bf16_logits as for screened_greedy_int8_cpu (top of the file).
-template <class MakeScreen>
-void screen_rows(int64_t num_rows, const float* h, int64_t h_stride, int64_t dim, const float* weight, int64_t vocab,
+template <class MakeScreen, typename W>
+void screen_rows(int64_t num_rows, const float* h, int64_t h_stride, int64_t dim, const W* weight, int64_t vocab,
                  const MakeScreen& make_screen, int64_t* tokens, int64_t* candidates, bool bf16_logits = false) {
   at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
@@ -191,9 +194,10 @@ void screen_rows(int64_t num_rows, const float* h, int64_t h_stride, int64_t dim
   });
 }
 
-void check_weight(const at::Tensor& weight, int64_t vocab, int64_t dim) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
-              "weight: contiguous [V, H] float32");
+void check_weight(const at::Tensor& weight, int64_t vocab, int64_t dim, bool bf16_too = false) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
+                  (weight.scalar_type() == at::kFloat || (bf16_too && weight.scalar_type() == at::kBFloat16)),
+              "weight: contiguous [V, H] float32", bf16_too ? " or bfloat16" : "");
   TORCH_CHECK(weight.size(0) == vocab && weight.size(1) == dim, "weight must be [", vocab, ", ", dim, "]");
 }
 
@@ -239,7 +243,7 @@ std::tuple<at::Tensor, at::Tensor> screened_greedy_int8_cpu(const at::Tensor& do
   TORCH_CHECK(hidden_terms.dim() == 2 && hidden_terms.size(0) == num_rows && hidden_terms.size(1) == 3 &&
                   hidden_terms.scalar_type() == at::kFloat && hidden_terms.is_contiguous(),
               "hidden_terms: contiguous [", num_rows, ", 3] float32");
-  check_weight(weight, vocab, dim);
+  check_weight(weight, vocab, dim, /*bf16_too=*/true);
   TORCH_CHECK(weight_terms.dim() == 2 && weight_terms.size(0) == 4 && weight_terms.size(1) == vocab &&
                   weight_terms.scalar_type() == at::kFloat && weight_terms.is_contiguous(),
               "weight_terms: contiguous [4, ", vocab, "] float32");
@@ -249,7 +253,6 @@ std::tuple<at::Tensor, at::Tensor> screened_greedy_int8_cpu(const at::Tensor& do
   const float* x = exact.has_value() ? exact->data_ptr<float>() : nullptr;
   const float* h = hidden.data_ptr<float>();
   const float* h_terms = hidden_terms.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
   const float* w_terms = weight_terms.data_ptr<float>();
   int64_t* tokens = out.data_ptr<int64_t>();
   int64_t* candidates = counts.data_ptr<int64_t>();
@@ -267,7 +270,11 @@ std::tuple<at::Tensor, at::Tensor> screened_greedy_int8_cpu(const at::Tensor& do
                       kInt8Slack * terms[1],
                       2.f * static_cast<float>(dim) * kUlp * h_norm};
   };
-  screen_rows(num_rows, h, hidden.stride(0), dim, w, vocab, make_screen, tokens, candidates, bf16_logits);
+  dispatch_float_bf16(weight.scalar_type(), "weight", [&](auto tag) {
+    using W = decltype(tag);
+    screen_rows(num_rows, h, hidden.stride(0), dim, weight.data_ptr<W>(), vocab, make_screen, tokens, candidates,
+                bf16_logits);
+  });
   return std::make_tuple(out, counts);
 }
 
