@@ -150,10 +150,11 @@ class Int8ScreenedGreedyHead:
     @classmethod
     def for_bf16_model(cls, weight: torch.Tensor) -> Int8ScreenedGreedyHead:
         """The screen of a bf16 model's head [V, H] bf16, at steps of up to GEMV_ROWS rows (above, the model's own
-        bf16 GEMM pays as well): the candidates' dot products read the head's own bf16 rows, and an int8 copy (half
-        its bytes) is added. Its tokens are those of the model's bf16 logits, the first of the ties that
-        bf16's rounding makes, except where a candidate's fp32 sum, taken in another order than the GEMM's, lies
-        within float rounding of a bf16 rounding boundary (kernels/sampling/csrc/screened_greedy_cpu.cpp)."""
+        bf16 GEMM pays as well): the candidates' dot products read the head's own bf16 rows (an untied head's dense
+        weight stays beside its packed copy), and an int8 copy (half its bytes) is added. Its tokens are those of the
+        model's bf16 logits, the first of the ties that bf16's rounding makes, except where a candidate's fp32 sum,
+        taken in another order than the GEMM's, lies within float rounding of a bf16 rounding boundary
+        (kernels/sampling/csrc/screened_greedy_cpu.cpp)."""
         return cls(weight, max_rows=GEMV_ROWS, bf16_logits=True)
 
     def tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:

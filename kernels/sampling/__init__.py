@@ -75,8 +75,8 @@ def screened_greedy_tokens_int8(
     weight[v] = s_v q_v + e_v there, `dots` = q_h . q_v; only tokens whose fp32 logit can still be the row's maximum,
     given the quantization errors' bound, are computed in fp32.
     dots [B, V] int32 · exact [B, V] fp32 or None · hidden [B, H] fp32 (all channels) · hidden_terms [B, 3]:
-    (s_h, |e_h|, |h| on the quantized channels) · weight [V, H] fp32 (contiguous) · weight_terms [4, V]: (s_v, |e_v|,
-    |s_v q_v|, |weight[v]|).
+    (s_h, |e_h|, |h| on the quantized channels) · weight [V, H] fp32 or bf16 (contiguous) · weight_terms [4, V]:
+    (s_v, |e_v|, |s_v q_v|, |weight[v]|).
     Returns ([B] int64 tokens: -1 where the logits are not finite, UNDECIDED where the screen is not; [B] int64: how
     many tokens of each row were computed in fp32); None without the C++ kernels.
     bf16_logits: a bf16 model's head (hidden and weight hold bf16 values): the argmax of its logits rounded to bf16,
