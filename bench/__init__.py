@@ -2,9 +2,10 @@
 
 Offline, no HTTP: `engine` (engine.py, vs transformers), `lora` (lora.py, multi-LoRA vs peft, or a given model such as
 the demo), `fairness` (fairness.py: two tenants under fcfs and fair), `peer` (peer.py: against vLLM-CPU in one window,
-as ratios), `gpu` (gpu.py and gpu_check.sh: the Triton kernels and the engine on a CUDA device). Over the real HTTP API:
-`serve`, `sweep`, `latency` (the server against the offline engine; TTFT and TPOT by concurrency) and `replicas`
-(replicas.py: Ray Serve's multiplexed routing).
+as ratios), `gpu` (gpu.py and gpu_check.sh: the Triton kernels and the engine on a CUDA device), `cpu-lora`
+(cpu_lora.py: the C++ LoRA kernels alone), `head` (head.py: the screened greedy head on and off in one engine, paired).
+Over the real HTTP API: `serve`, `sweep`, `latency` (the server against the offline engine; TTFT and TPOT by
+concurrency) and `replicas` (replicas.py: Ray Serve's multiplexed routing).
 
 workload.py         prompts, output lengths, the adapter of each request (popularity law), arrival times
 client.py           the target server: /v1/models, one streamed request timed (TTFT, E2E, tokens)

@@ -134,6 +134,17 @@ def _bench_cpu_lora(args: argparse.Namespace) -> None:
     bench_main(args.bench_args)
 
 
+def _bench_head(args: argparse.Namespace) -> None:
+    from bench.head import main as bench_main
+
+    if "--demo" in args.bench_args:  # the embedded demo's SmolLM2
+        from loraplex.demo import build_demo
+
+        args.bench_args.remove("--demo")
+        args.bench_args += ["--model", str(build_demo().model)]
+    bench_main(args.bench_args)
+
+
 def _bench_sweep(args: argparse.Namespace) -> None:
     from bench.sweep import main as bench_main
 
@@ -309,6 +320,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     cpu_lora.set_defaults(func=_bench_cpu_lora)
+    head = bench_sub.add_parser(
+        "head",
+        help="CPU: the screened greedy head on and off in one engine, paired (time per token, same tokens)",
+        add_help=False,
+    )
+    head.set_defaults(func=_bench_head)
     return parser
 
 
