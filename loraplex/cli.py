@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -59,96 +60,92 @@ def _lora_request(spec: str, known: dict):
         raise SystemExit(f"{e}{names}") from None
 
 
+def _bench_module(module: str):
+    """The command of a benchmark that parses its own options: bench.<module>'s main, imported when it runs."""
+
+    def run(args: argparse.Namespace) -> None:
+        importlib.import_module(f"bench.{module}").main(args.bench_args)
+
+    return run
+
+
+def _take_demo(args: argparse.Namespace):
+    """The embedded demo (built on first use) when the benchmark's arguments hold --demo, which is taken out; else
+    None."""
+    if "--demo" not in args.bench_args:
+        return None
+    from loraplex.demo import build_demo
+
+    args.bench_args.remove("--demo")
+    return build_demo()
+
+
 def _bench_engine(args: argparse.Namespace) -> None:
     """`bench engine` (vs transformers) or, with --lora, the multi-LoRA run (vs peft) = `bench lora`."""
     if "--lora" in args.bench_args:
         args.bench_args.remove("--lora")
         return _bench_lora(args)
-    from bench.engine import main as bench_main
-
-    bench_main(args.bench_args)
+    _bench_module("engine")(args)
 
 
 def _bench_lora(args: argparse.Namespace) -> None:
-    from bench.lora import main as bench_main
-
-    if "--demo" in args.bench_args:  # the embedded demo's model and adapters
-        from loraplex.demo import build_demo
-
-        args.bench_args.remove("--demo")
-        demo = build_demo()
+    if (demo := _take_demo(args)) is not None:  # the embedded demo's model and adapters
         args.bench_args += ["--model", str(demo.model), *(f"--lora={n}={p}" for n, p in demo.adapters.items())]
-    bench_main(args.bench_args)
-
-
-def _bench_serve(args: argparse.Namespace) -> None:
-    from bench.serve import main as bench_main
-
-    bench_main(args.bench_args)
-
-
-def _bench_fairness(args: argparse.Namespace) -> None:
-    from bench.fairness import main as bench_main
-
-    bench_main(args.bench_args)
-
-
-def _bench_latency(args: argparse.Namespace) -> None:
-    from bench.latency import main as bench_main
-
-    bench_main(args.bench_args)
-
-
-def _bench_replicas(args: argparse.Namespace) -> None:
-    from bench.replicas import main as bench_main
-
-    bench_main(args.bench_args)
+    _bench_module("lora")(args)
 
 
 def _bench_peer(args: argparse.Namespace) -> None:
-    from bench.peer import main as bench_main
+    # --demo: the demo's SmolLM2 (as an HF directory, which vLLM reads) and its adapters
+    if (demo := _take_demo(args)) is not None:
+        from loraplex.demo import hf_directory
 
-    if "--demo" in args.bench_args:  # the demo's SmolLM2 (as an HF directory, which vLLM reads) and its adapters
-        from loraplex.demo import build_demo, hf_directory
-
-        args.bench_args.remove("--demo")
-        demo = build_demo()
         args.bench_args = [
             *("--model", str(hf_directory(demo))),
             *(f"--lora={n}={p}" for n, p in demo.adapters.items()),
             *("--num-prompts", "32", "--input-len", "32", "--output-len", "64"),
             *args.bench_args,  # later options win
         ]
-    bench_main(args.bench_args)
-
-
-def _bench_gpu(args: argparse.Namespace) -> None:
-    from bench.gpu import main as bench_main
-
-    bench_main(args.bench_args)
-
-
-def _bench_cpu_lora(args: argparse.Namespace) -> None:
-    from bench.cpu_lora import main as bench_main
-
-    bench_main(args.bench_args)
+    _bench_module("peer")(args)
 
 
 def _bench_head(args: argparse.Namespace) -> None:
-    from bench.head import main as bench_main
-
-    if "--demo" in args.bench_args:  # the embedded demo's SmolLM2
-        from loraplex.demo import build_demo
-
-        args.bench_args.remove("--demo")
-        args.bench_args += ["--model", str(build_demo().model)]
-    bench_main(args.bench_args)
+    if (demo := _take_demo(args)) is not None:  # the embedded demo's SmolLM2
+        args.bench_args += ["--model", str(demo.model)]
+    _bench_module("head")(args)
 
 
-def _bench_sweep(args: argparse.Namespace) -> None:
-    from bench.sweep import main as bench_main
-
-    bench_main(args.bench_args)
+# loraplex bench <name>: (help, command); each benchmark parses its own options (`loraplex bench engine --help`)
+BENCHES = {
+    "engine": ("offline engine throughput vs transformers (--lora: multi-LoRA vs peft)", _bench_engine),
+    "lora": ("offline multi-LoRA throughput vs transformers + peft", _bench_lora),
+    "serve": ("online serving benchmark over HTTP (any OpenAI-compatible server)", _bench_module("serve")),
+    "sweep": ("throughput vs number of adapters (registers random adapters)", _bench_module("sweep")),
+    "fairness": ("two tenants at a 10:1 rate under fcfs and fair scheduling", _bench_module("fairness")),
+    "peer": (
+        "offline throughput vs vLLM-CPU in a venv you give (base and LoRA, optional busy neighbours)",
+        _bench_peer,
+    ),
+    "latency": (
+        "loraplex serve vs the offline engine on the same requests; TTFT/TPOT by concurrency",
+        _bench_module("latency"),
+    ),
+    "replicas": (
+        "engine replicas on Ray Serve: adapter-affinity routing vs round-robin under skewed adapter traffic",
+        _bench_module("replicas"),
+    ),
+    "gpu": (
+        "CUDA: Triton kernels' bandwidth (paged decode attention, shrink/expand) and the engine's LoRA / base",
+        _bench_module("gpu"),
+    ),
+    "cpu-lora": (
+        "CPU: the C++ LoRA kernels alone over a model's modules, by token count (ms, GFMA/s)",
+        _bench_module("cpu_lora"),
+    ),
+    "head": (
+        "CPU: the screened greedy head on and off in one engine, paired (time per token, same tokens)",
+        _bench_head,
+    ),
+}
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -271,61 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    # each benchmark parses its own options (`loraplex bench engine --help`)
-    engine = bench_sub.add_parser(
-        "engine", help="offline engine throughput vs transformers (--lora: multi-LoRA vs peft)", add_help=False
-    )
-    engine.set_defaults(func=_bench_engine)
-    lora = bench_sub.add_parser("lora", help="offline multi-LoRA throughput vs transformers + peft", add_help=False)
-    lora.set_defaults(func=_bench_lora)
-    online = bench_sub.add_parser(
-        "serve", help="online serving benchmark over HTTP (any OpenAI-compatible server)", add_help=False
-    )
-    online.set_defaults(func=_bench_serve)
-    sweep = bench_sub.add_parser(
-        "sweep", help="throughput vs number of adapters (registers random adapters)", add_help=False
-    )
-    sweep.set_defaults(func=_bench_sweep)
-    fairness = bench_sub.add_parser(
-        "fairness", help="two tenants at a 10:1 rate under fcfs and fair scheduling", add_help=False
-    )
-    fairness.set_defaults(func=_bench_fairness)
-    peer = bench_sub.add_parser(
-        "peer",
-        help="offline throughput vs vLLM-CPU in a venv you give (base and LoRA, optional busy neighbours)",
-        add_help=False,
-    )
-    peer.set_defaults(func=_bench_peer)
-    latency = bench_sub.add_parser(
-        "latency",
-        help="loraplex serve vs the offline engine on the same requests; TTFT/TPOT by concurrency",
-        add_help=False,
-    )
-    latency.set_defaults(func=_bench_latency)
-    replicas = bench_sub.add_parser(
-        "replicas",
-        help="engine replicas on Ray Serve: adapter-affinity routing vs round-robin under skewed adapter traffic",
-        add_help=False,
-    )
-    replicas.set_defaults(func=_bench_replicas)
-    gpu = bench_sub.add_parser(
-        "gpu",
-        help="CUDA: Triton kernels' bandwidth (paged decode attention, shrink/expand) and the engine's LoRA / base",
-        add_help=False,
-    )
-    gpu.set_defaults(func=_bench_gpu)
-    cpu_lora = bench_sub.add_parser(
-        "cpu-lora",
-        help="CPU: the C++ LoRA kernels alone over a model's modules, by token count (ms, GFMA/s)",
-        add_help=False,
-    )
-    cpu_lora.set_defaults(func=_bench_cpu_lora)
-    head = bench_sub.add_parser(
-        "head",
-        help="CPU: the screened greedy head on and off in one engine, paired (time per token, same tokens)",
-        add_help=False,
-    )
-    head.set_defaults(func=_bench_head)
+    for name, (help_text, command) in BENCHES.items():  # each parses its own options: no help of argparse's
+        bench_sub.add_parser(name, help=help_text, add_help=False).set_defaults(func=command)
     return parser
 
 
