@@ -25,11 +25,11 @@ def test_half_support_is_read_off_the_flags():
     assert half_dtype_support("bfloat16", frozenset()) == (False, "the CPU's flags could not be read")
 
 
-def test_the_panel_linear_is_for_avx2_cpus_without_avx512_and_for_zen_4():
+def test_the_panel_linear_is_for_avx2_cpus_without_avx512_for_zen_4_and_for_intel_avx512():
     wins = cpu_features.panel_linear_wins
     assert wins(AVX2_ONLY, ("AuthenticAMD", 25)) and wins(AVX2_ONLY, ("GenuineIntel", 6))  # Zen 3, Haswell
     assert wins(ZEN_4, ("AuthenticAMD", 25))  # AVX-512 on 256-bit units: the zmm tile
-    assert not wins(SAPPHIRE_RAPIDS, ("GenuineIntel", 6))  # oneDNN's AVX-512 (and AMX) kernels there
+    assert wins(SAPPHIRE_RAPIDS, ("GenuineIntel", 6))  # two 512-bit FMA ports: the 14 x 32 tile (measured)
     assert not wins(ZEN_4, ("AuthenticAMD", 26))  # Zen 5: full-width AVX-512, where oneDNN is faster (measured)
     assert not wins(AVX2_ONLY - {"fma"}, ("AuthenticAMD", 25)) and not wins(frozenset(), ("", None))
 

@@ -1,6 +1,6 @@
-"""PackedLinear (prepacked weights on CPU: oneDNN's layout, or kernels/linear's panels on AVX2 CPUs): the same
-outputs as nn.Linear, packing only where it is native (fp32, and bf16 on CPUs with native bf16 matmuls), and panels
-only where they pay (fp32, AVX2 without AVX-512, 16 | out_features)."""
+"""PackedLinear (prepacked weights on CPU: oneDNN's layout, or kernels/linear's panels): the same outputs as
+nn.Linear, packing only where it is native (fp32, and bf16 on CPUs with native bf16 matmuls), and panels only where
+they pay (`engine.cpu_features.panel_linear_wins`, 16 | out_features)."""
 
 from __future__ import annotations
 
@@ -90,6 +90,6 @@ def test_panels_are_chosen_for_each_dtype_where_they_win_and_16_divides_the_outp
     monkeypatch.setattr(packed_module, "bf16_panel_linear_wins", lambda: True)  # AMD Zen 4
     assert panel_ops_for(nn.Linear(8, 32).to(torch.bfloat16)) is bf16_ops
     assert panel_ops_for(nn.Linear(8, 40).to(torch.bfloat16)) is None
-    monkeypatch.setattr(packed_module, "panel_linear_wins", lambda: False)  # Intel AVX-512, say: oneDNN's
+    monkeypatch.setattr(packed_module, "panel_linear_wins", lambda: False)  # AMD Zen 5, say: oneDNN's
     assert panel_ops_for(nn.Linear(8, 32)) is None
     assert panel_ops_for(nn.Linear(8, 32).to(torch.float16)) is None

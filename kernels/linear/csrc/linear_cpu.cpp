@@ -12,14 +12,20 @@
 //       (x bfloat16: linear_bf16_cpu.cpp's bf16 panels instead, packed by pack_linear_weight_bf16_cpu)
 //
 // Each y[m, n] is one fp32 FMA chain over k = 0 .. K-1 in order (then + bias): the same sum F.linear computes, in
-// another order than oneDNN's or MKL's, and the same on any thread count. Blocking: x is repacked per tile's block
-// of rows as [k][rows] (one stream instead of six or twelve); the threads split the panels; per chunk of up to 192 rows and per panel,
-// k runs in chunks of 256 so the panel's chunk (16 KB) stays in L1 while the rows' blocks (in L2) pass over it.
-// Built for AVX-512 (the compiler's target has AVX-512F), the tile is 12 x 16 instead: twelve zmm accumulators, one
-// load of the panel and twelve FMAs with a broadcast operand per step of k; the same FMA chain per output, so the
-// same bits as the AVX2 tile. On an AMD Zen 4 (whose 512-bit FMAs run on 256-bit units) a W1 step's 32 body GEMMs
-// take 5.4-5.9 ms against oneDNN's 7.8-8.4 at 21 rows, 14.8-15.5 against 17.0-17.3 at 64, but 3-6% longer at 2048.
-// A thread's panels are one contiguous stream from memory: the first row block of each chunk, the one that brings
+// another order than oneDNN's or MKL's, and the same on any thread count, in any tile and in a batch of any size.
+// Blocking: the threads split the panels (in pairs with AVX-512); per chunk of rows (kChunkM) and per panel, k runs
+// in chunks of 256 so the panels' chunk (16 KB each) stays in L1 while the rows (in L2) pass over it. The tiles read x
+// where it lies, one stream per row (until 2026-12-01 x was first repacked per tile as [k][rows], one stream; that
+// copy cost 3-18% of a 2048-row GEMM, the most where N is small).
+// Built for AVX-512 (the compiler's target has AVX-512F), the tile is 14 rows x 2 panels: 28 zmm accumulators, two
+// loads of the panels and 28 FMAs on 14 broadcasts per step of k (fewer loads per FMA than one panel's 12 x 16
+// tile of before, which left a second FMA port idle). The same FMA chain per output, so the same bits as the AVX2
+// tile. W1's 32 body GEMMs on a Xeon with AMX (family 6 model 167, 2 threads, weights cold; 2026-12-01): 5.8-6.3 ms
+// against oneDNN's 8.5-9.4 at 21 rows, 13.1-13.9 against 15.7-16.1 at 64, 44-47 against 44-45 at 256, 3-9% longer
+// at 2048 (the 12 x 16 tile: 7.3, 15.7-16.6, 53.8-55.9, 1.31-1.38x oneDNN's at 2048). On an AMD Zen 4 (whose 512-bit
+// FMAs run on 256-bit units) the 12 x 16 tile took a W1 step's 32 body GEMMs in 5.4-5.9 ms against oneDNN's 7.8-8.4
+// at 21 rows, 14.8-15.5 against 17.0-17.3 at 64, 3-6% longer at 2048; the 14 x 32 tile was not measured there.
+// A thread's panels are one contiguous stream from memory: the first row tile of each chunk, the one that brings
 // it in, also prefetches the stream 512 k-rows (32 KB) ahead into L2, so the next chunks arrive while this one
 // computes (at 21 rows a chunk serves only 4 blocks, and with the hardware prefetcher alone the FMAs waited on memory:
 // a W1 step's GEMMs took 1.25x as long at 21 rows, 1.10x at 64, 1.03x at 2048, this code on an AMD Zen 4).
@@ -47,40 +53,65 @@ namespace {
 
 constexpr int64_t kPanel = 16;  // output columns per weight panel: two ymm, or one zmm
 #ifdef LORAPLEX_LINEAR_AVX512
-constexpr int kRows = 12;  // rows per register tile: 12 zmm accumulators + the panel's vector
+constexpr int kRows = 14;       // rows per register tile: 14 x 2 zmm accumulators + 2 weight vectors + 1 broadcast
+constexpr int kTilePanels = 2;  // panels per register tile
+constexpr int64_t kChunkM = 8 * kRows;  // rows per pass over the panels: x's chunk (112 x 256 fp32) stays in L2
 #else
-constexpr int kRows = 6;  // rows per register tile: 6 x 2 accumulators + 2 weight vectors + 1 broadcast
+constexpr int kRows = 6;        // rows per register tile: 6 x 2 accumulators + 2 weight vectors + 1 broadcast
+constexpr int kTilePanels = 1;
+constexpr int64_t kChunkM = 16 * kRows;  // rows per pass over the panels: x's chunk (96 x 256 fp32) stays in L2
 #endif
 constexpr int64_t kChunkK = 256;
-constexpr int64_t kChunkM = 192;  // rows per pass over the panels: x's chunk (192 x 256 fp32, 192 KB) stays in L2
 constexpr int64_t kLeadK = 512;   // how far ahead (in k-rows of a panel, 64 bytes each) the first block prefetches
 
 #ifdef LORAPLEX_LINEAR_AVX512
 
-// c[0 .. R, 0 .. 16) (+)= a_block[k][R] . b_panel[k][16] over kc steps of k; `first`: start from zero, else from c;
-// `bias` (or null) is added as the tile is stored; `lead`: also prefetch the panels' stream kLeadK k-rows ahead.
-template <int R>
-inline void tile(const float* a, const float* b, int64_t kc, float* c, int64_t ldc, bool first, const float* bias,
-                 bool lead) {
-  __m512 c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11;  // named: arrays of __m512 spill to the stack
-// OP(r, the row's accumulator) for each of the tile's twelve rows (rows >= R compile to nothing).
-#define LORAPLEX_EACH_ROW(OP)                                                       \
-  OP(0, c0) OP(1, c1) OP(2, c2) OP(3, c3) OP(4, c4) OP(5, c5) OP(6, c6) OP(7, c7) \
-  OP(8, c8) OP(9, c9) OP(10, c10) OP(11, c11)
-#define LORAPLEX_LOAD(r, x) \
-  if constexpr (R > r) x = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc);
+// c[0 .. R, 0 .. 16 P) (+)= a[r * lda + k] . panels[k][16 P] over kc steps of k, for P = 1 or 2 adjacent panels (the
+// second panel_stride floats after the first); `first`: start from zero, else from c; `bias` (or null) is added as
+// the tile is stored; `lead`: also prefetch the panels' stream kLeadK k-rows ahead.
+template <int R, int P>
+inline void tile(const float* a, int64_t lda, const float* b, int64_t panel_stride, int64_t kc, float* c, int64_t ldc,
+                 bool first, const float* bias, bool lead) {
+  static_assert(P == 1 || P == 2, "a tile spans one or two panels");
+  // named: arrays of __m512 spill to the stack; c_r: row r's first panel, d_r its second
+  __m512 c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13;
+  __m512 d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13;
+// OP(r, the row's two accumulators) for each of the tile's fourteen rows (rows >= R compile to nothing).
+#define LORAPLEX_EACH_ROW(OP)                                                                                  \
+  OP(0, c0, d0) OP(1, c1, d1) OP(2, c2, d2) OP(3, c3, d3) OP(4, c4, d4) OP(5, c5, d5) OP(6, c6, d6) OP(7, c7, d7) \
+  OP(8, c8, d8) OP(9, c9, d9) OP(10, c10, d10) OP(11, c11, d11) OP(12, c12, d12) OP(13, c13, d13)
+#define LORAPLEX_LOAD(r, x, y)                                                             \
+  if constexpr (R > r) {                                                                   \
+    x = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc);                        \
+    if constexpr (P == 2) y = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + kPanel); \
+  }
   LORAPLEX_EACH_ROW(LORAPLEX_LOAD)
+  const float* b1 = b + panel_stride;
   for (int64_t k = 0; k < kc; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(b + (k + 8) * kPanel), _MM_HINT_T0);
-    if (lead) _mm_prefetch(reinterpret_cast<const char*>(b + (k + kLeadK) * kPanel), _MM_HINT_T1);
-    const __m512 b0 = _mm512_loadu_ps(b + k * kPanel);
-#define LORAPLEX_FMA(r, x) \
-  if constexpr (R > r) x = _mm512_fmadd_ps(_mm512_set1_ps(a[k * R + r]), b0, x);
+    if constexpr (P == 2) _mm_prefetch(reinterpret_cast<const char*>(b1 + (k + 8) * kPanel), _MM_HINT_T0);
+    if (lead) {
+      _mm_prefetch(reinterpret_cast<const char*>(b + (k + kLeadK) * kPanel), _MM_HINT_T1);
+      if constexpr (P == 2) _mm_prefetch(reinterpret_cast<const char*>(b1 + (k + kLeadK) * kPanel), _MM_HINT_T1);
+    }
+    const __m512 w0 = _mm512_loadu_ps(b + k * kPanel);
+    __m512 w1;
+    if constexpr (P == 2) w1 = _mm512_loadu_ps(b1 + k * kPanel);
+#define LORAPLEX_FMA(r, x, y)                                 \
+  if constexpr (R > r) {                                      \
+    const __m512 a_rk = _mm512_set1_ps(a[r * lda + k]);       \
+    x = _mm512_fmadd_ps(a_rk, w0, x);                         \
+    if constexpr (P == 2) y = _mm512_fmadd_ps(a_rk, w1, y);   \
+  }
     LORAPLEX_EACH_ROW(LORAPLEX_FMA)
   }
   const __m512 bias0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-#define LORAPLEX_STORE(r, x) \
-  if constexpr (R > r) _mm512_storeu_ps(c + r * ldc, bias ? _mm512_add_ps(x, bias0) : x);
+  const __m512 bias1 = bias && P == 2 ? _mm512_loadu_ps(bias + kPanel) : _mm512_setzero_ps();
+#define LORAPLEX_STORE(r, x, y)                                                                         \
+  if constexpr (R > r) {                                                                                \
+    _mm512_storeu_ps(c + r * ldc, bias ? _mm512_add_ps(x, bias0) : x);                                  \
+    if constexpr (P == 2) _mm512_storeu_ps(c + r * ldc + kPanel, bias ? _mm512_add_ps(y, bias1) : y);   \
+  }
   LORAPLEX_EACH_ROW(LORAPLEX_STORE)
 #undef LORAPLEX_EACH_ROW
 #undef LORAPLEX_LOAD
@@ -90,11 +121,12 @@ inline void tile(const float* a, const float* b, int64_t kc, float* c, int64_t l
 
 #elif defined(LORAPLEX_LINEAR_AVX2)
 
-// c[0 .. R, 0 .. 16) (+)= a_block[k][R] . b_panel[k][16] over kc steps of k; `first`: start from zero, else from c;
-// `bias` (or null) is added as the tile is stored; `lead`: also prefetch the panels' stream kLeadK k-rows ahead.
-template <int R>
-inline void tile(const float* a, const float* b, int64_t kc, float* c, int64_t ldc, bool first, const float* bias,
-                 bool lead) {
+// c[0 .. R, 0 .. 16) (+)= a[r * lda + k] . b_panel[k][16] over kc steps of k; `first`: start from zero, else from
+// c; `bias` (or null) is added as the tile is stored; `lead`: also prefetch the panel's stream kLeadK k-rows ahead.
+template <int R, int P>
+inline void tile(const float* a, int64_t lda, const float* b, int64_t /*panel_stride*/, int64_t kc, float* c,
+                 int64_t ldc, bool first, const float* bias, bool lead) {
+  static_assert(P == 1, "an AVX2 tile spans one panel");
   __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;  // named: arrays of __m256 spill to the stack
 // OP(r, the row's two accumulators) for each of the tile's six rows (rows >= R compile to nothing).
 #define LORAPLEX_EACH_ROW(OP) \
@@ -112,7 +144,7 @@ inline void tile(const float* a, const float* b, int64_t kc, float* c, int64_t l
     __m256 a_k;
 #define LORAPLEX_FMA(r, x0, x1)                      \
   if constexpr (R > r) {                             \
-    a_k = _mm256_broadcast_ss(a + k * R + r);        \
+    a_k = _mm256_broadcast_ss(a + r * lda + k);      \
     x0 = _mm256_fmadd_ps(a_k, b0, x0);               \
     x1 = _mm256_fmadd_ps(a_k, b1, x1);               \
   }
@@ -136,18 +168,18 @@ inline void tile(const float* a, const float* b, int64_t kc, float* c, int64_t l
 
 #ifdef LORAPLEX_LINEAR_AVX2
 
-// One panel's 16 columns of rows [0, m) over k in [k0, k0 + kc): x_packed holds the rows' blocks ([K][kRows] each,
-// the last [K][m % kRows]), the panel is at k0. The first block leads the prefetch.
-void panel_rows(const float* x_packed, int64_t K, int64_t k0, int64_t kc, const float* panel, float* c, int64_t ldc,
-                int64_t m, bool first, const float* bias) {
+// P adjacent panels' 16 P columns of rows [0, m) over k in [k0, k0 + kc): row r of x at x + r * lda, the first
+// panel at k0 (the next one panel_stride floats on). The first row tile leads the prefetch.
+template <int P>
+void panel_rows(const float* x, int64_t lda, int64_t k0, int64_t kc, const float* panel, int64_t panel_stride,
+                float* c, int64_t ldc, int64_t m, bool first, const float* bias) {
   int64_t r = 0;
   for (; r + kRows <= m; r += kRows)
-    tile<kRows>(x_packed + r * K + k0 * kRows, panel, kc, c + r * ldc, ldc, first, bias, r == 0);
-  const int64_t tail = m - r;
-  const float* a = x_packed + r * K + k0 * tail;
+    tile<kRows, P>(x + r * lda + k0, lda, panel, panel_stride, kc, c + r * ldc, ldc, first, bias, r == 0);
+  const float* a = x + r * lda + k0;
   float* c_tail = c + r * ldc;
-  loraplex::with_count<kRows - 1>(tail, [&](auto rows) {
-    tile<rows()>(a, panel, kc, c_tail, ldc, first, bias, r == 0);
+  loraplex::with_count<kRows - 1>(m - r, [&](auto rows) {
+    tile<rows(), P>(a, lda, panel, panel_stride, kc, c_tail, ldc, first, bias, r == 0);
   });
 }
 
@@ -187,30 +219,29 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
 #ifdef LORAPLEX_LINEAR_AVX2
   const float* a = x.data_ptr<float>();
   const int64_t lda = x.stride(0);
-  at::Tensor x_packed = at::empty({M * K}, x.options());  // the blocks of kRows rows, each [K][rows]
-  float* ap = x_packed.data_ptr<float>();
-  const int64_t blocks = (M + kRows - 1) / kRows;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block) {
-      const int64_t m0 = block * kRows, rows = std::min<int64_t>(kRows, M - m0);
-      float* dst = ap + m0 * K;
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t k = 0; k < K; ++k) dst[k * rows + r] = a[(m0 + r) * lda + k];
-    }
-  });
   const float* w = packed.data_ptr<float>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* c = y.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  const int64_t panel_stride = K * kPanel, groups = (panels + kTilePanels - 1) / kTilePanels;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += kChunkM) {
       const int64_t m = std::min(kChunkM, M - m0);
-      for (int64_t p = begin; p < end; ++p)
+      for (int64_t group = begin; group < end; ++group) {
+        const int64_t p = group * kTilePanels;
+        const bool whole = p + kTilePanels <= panels;  // else the one panel left of an odd count
         for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
           const int64_t kc = std::min(kChunkK, K - k0);
           const bool last = k0 + kc == K;
-          panel_rows(ap + m0 * K, K, k0, kc, w + p * K * kPanel + k0 * kPanel, c + m0 * N + p * kPanel, N, m,
-                     k0 == 0, last && b ? b + p * kPanel : nullptr);
+          const float* panel = w + p * panel_stride + k0 * kPanel;
+          float* c_block = c + m0 * N + p * kPanel;
+          const float* bias_block = last && b ? b + p * kPanel : nullptr;
+          if (whole)
+            panel_rows<kTilePanels>(a + m0 * lda, lda, k0, kc, panel, panel_stride, c_block, N, m, k0 == 0,
+                                    bias_block);
+          else
+            panel_rows<1>(a + m0 * lda, lda, k0, kc, panel, panel_stride, c_block, N, m, k0 == 0, bias_block);
         }
+      }
     }
   });
 #endif
