@@ -3,11 +3,11 @@ native bf16 matmuls).
 
 Same math as `F.linear` (only the summation order differs), but a blocked weight layout makes the small-batch GEMMs
 of decode 1.3-2.5x faster on CPU (the LM head most of all). Two layouts: oneDNN's (opaque, its own kernels), and for
-fp32 where `engine.cpu_features.panel_linear_wins` (AVX2 CPUs without AVX-512, AMD Zen 4), kernels/linear's panels
-of 16 columns, whose kernel runs decode shapes another 1.1-1.4x faster than oneDNN's there; and for bf16 where
-`engine.cpu_features.bf16_panel_linear_wins` (AMD Zen 4), the same panels with k in pairs for VDPBF16PS, which stream
-a decode step's weights at 1-8 rows in ~0.6 of oneDNN's time. The runner swaps these in after loading, as gpt-fast
-swaps in its quantized linears; CUDA and other half precision keep nn.Linear.
+fp32 where `engine.cpu_features.panel_linear_wins` (AVX2 CPUs without AVX-512, AMD Zen 4, Intel's AVX-512 CPUs),
+kernels/linear's panels of 16 columns, whose kernel runs decode shapes another 1.1-1.4x faster than oneDNN's there;
+and for bf16 where `engine.cpu_features.bf16_panel_linear_wins` (AMD Zen 4), the same panels with k in pairs for
+VDPBF16PS, which stream a decode step's weights at 1-8 rows in ~0.6 of oneDNN's time. The runner swaps these in
+after loading, as gpt-fast swaps in its quantized linears; CUDA and other half precision keep nn.Linear.
 """
 
 from __future__ import annotations

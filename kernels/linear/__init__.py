@@ -1,8 +1,10 @@
 """The fp32 linear for AVX2 and AVX-512 CPUs (csrc/linear_cpu.cpp, built with the other C++ kernels by
 kernels/cpu_native.py): weights packed once into panels of 16 output columns, a register-blocked FMA kernel over them
-(6 x 16 in ymm, or 12 x 16 in zmm where the compiler targets AVX-512F; the same sums either way). On AVX2 machines
-without AVX-512 it runs a decode step's GEMMs 1.1-1.25x faster than oneDNN's fp32 path, on an AMD Zen 4 1.15-1.6x
-(prefill about even, 1.04x slower on the Zen 4); `engine.cpu_features.panel_linear_wins` says where it is used.
+(6 x 16 in ymm, or 14 rows x 2 panels in zmm where the compiler targets AVX-512F; the same sums either way, x read
+where it lies). On AVX2 machines without AVX-512 it runs a decode step's GEMMs 1.1-1.25x faster than oneDNN's fp32
+path, on an AMD Zen 4 1.15-1.6x (prefill about even, 1.04x slower on the Zen 4; the old 12 x 16 zmm tile), on an
+Intel Xeon with AMX 1.15-1.4x at 21-64 rows (prefill 1.1x slower); `engine.cpu_features.panel_linear_wins` says where
+it is used.
 
 `panel_linear_ops()` gives torch.ops.loraplex where the kernel was built (an AVX2 + FMA compiler target, not turned
 off by LORAPLEX_CPU_KERNELS=0), else None. Its ops:

@@ -20,15 +20,16 @@
 // Built for AVX-512 (the compiler's target has AVX-512F), the tile is 14 rows x 2 panels: 28 zmm accumulators, two
 // loads of the panels and 28 FMAs on 14 broadcasts per step of k (fewer loads per FMA than one panel's 12 x 16
 // tile of before, which left a second FMA port idle). The same FMA chain per output, so the same bits as the AVX2
-// tile. W1's 32 body GEMMs on a Xeon with AMX (family 6 model 167, 2 threads, weights cold; 2026-12-01): 5.8-6.3 ms
-// against oneDNN's 8.5-9.4 at 21 rows, 13.1-13.9 against 15.7-16.1 at 64, 44-47 against 44-45 at 256, 3-9% longer
-// at 2048 (the 12 x 16 tile: 7.3, 15.7-16.6, 53.8-55.9, 1.31-1.38x oneDNN's at 2048). On an AMD Zen 4 (whose 512-bit
-// FMAs run on 256-bit units) the 12 x 16 tile took a W1 step's 32 body GEMMs in 5.4-5.9 ms against oneDNN's 7.8-8.4
+// tile. W1's 32 body GEMMs on a Xeon with AMX (family 6 model 167, 2 threads, weights cold; 2026-12-01): 6.45 ms
+// against oneDNN's 9.26 at 21 rows, 13.7 against 16.0 at 64, 46.7 against 44.2 at 256, 1.11x oneDNN's time at 2048
+// (the 12 x 16 tile with x repacked: 6.97, 16.0, 53.6, 1.38x). On an AMD Zen 4 (whose 512-bit FMAs run on 256-bit
+// units) the 12 x 16 tile took a W1 step's 32 body GEMMs in 5.4-5.9 ms against oneDNN's 7.8-8.4
 // at 21 rows, 14.8-15.5 against 17.0-17.3 at 64, 3-6% longer at 2048; the 14 x 32 tile was not measured there.
 // A thread's panels are one contiguous stream from memory: the first row tile of each chunk, the one that brings
 // it in, also prefetches the stream 512 k-rows (32 KB) ahead into L2, so the next chunks arrive while this one
-// computes (at 21 rows a chunk serves only 4 blocks, and with the hardware prefetcher alone the FMAs waited on memory:
-// a W1 step's GEMMs took 1.25x as long at 21 rows, 1.10x at 64, 1.03x at 2048, this code on an AMD Zen 4).
+// computes (at 21 rows a chunk serves only 2 tiles, 4 on AVX2, and with the hardware prefetcher alone the FMAs
+// waited on memory: a W1 step's GEMMs took 1.25x as long at 21 rows, 1.10x at 64, 1.03x at 2048, this code on an AMD
+// Zen 4, with the 12 x 16 tile).
 
 #include "cpu_ops.h"
 #include "cpu_vec.h"
