@@ -56,14 +56,14 @@ constexpr int64_t kPanel = 16;  // output columns per weight panel: two ymm, or 
 #ifdef LORAPLEX_LINEAR_AVX512
 constexpr int kRows = 14;       // rows per register tile: 14 x 2 zmm accumulators + 2 weight vectors + 1 broadcast
 constexpr int kTilePanels = 2;  // panels per register tile
-constexpr int64_t kChunkM = 8 * kRows;  // rows per pass over the panels: x's chunk (112 x 256 fp32) stays in L2
+constexpr int64_t kChunkM = 8 * kRows;  // rows per pass over the panels: their x (112 x K fp32) stays in L2
 #else
 constexpr int kRows = 6;        // rows per register tile: 6 x 2 accumulators + 2 weight vectors + 1 broadcast
 constexpr int kTilePanels = 1;
-constexpr int64_t kChunkM = 16 * kRows;  // rows per pass over the panels: x's chunk (96 x 256 fp32) stays in L2
+constexpr int64_t kChunkM = 16 * kRows;  // rows per pass over the panels: their x (96 x K fp32) stays in L2
 #endif
 constexpr int64_t kChunkK = 256;
-constexpr int64_t kLeadK = 512;   // how far ahead (in k-rows of a panel, 64 bytes each) the first block prefetches
+constexpr int64_t kLeadK = 512;   // how far ahead (in k-rows of a panel, 64 bytes each) the first tile prefetches
 
 #ifdef LORAPLEX_LINEAR_AVX512
 
