@@ -141,6 +141,10 @@ BENCHES = {
         "CPU: the C++ LoRA kernels alone over a model's modules, by token count (ms, GFMA/s)",
         _bench_module("cpu_lora"),
     ),
+    "cpu-linear": (
+        "CPU: a model's body linears alone, kernels/linear's panels vs oneDNN, by row count (ms, GFLOP/s)",
+        _bench_module("cpu_linear"),
+    ),
     "head": (
         "CPU: the screened greedy head on and off in one engine, paired (time per token, same tokens)",
         _bench_head,

@@ -52,7 +52,7 @@ def test_generate_with_a_lora_adapter(tiny, capsys):
         cli.main([*argv, "--lora", "no-equals-sign"])
 
 
-@pytest.mark.parametrize("bench", ["engine", "lora", "replicas", "cpu-lora", "head"])
+@pytest.mark.parametrize("bench", ["engine", "lora", "replicas", "cpu-lora", "cpu-linear", "head"])
 def test_bench_commands_parse_their_own_options(bench, capsys):
     with pytest.raises(SystemExit) as done:
         cli.main(["bench", bench, "--help"])
