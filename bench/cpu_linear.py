@@ -106,7 +106,7 @@ def measure(sides: dict, shapes: list[tuple[int, int]], args: argparse.Namespace
     flops = 2 * rows * sum(n * k for n, k in shapes) * len(sides["panels"][0])
     for side, measured in times.items():
         row[f"{side}_ms"] = statistics.median(measured) * 1e3
-        row[f"{side}_gflop_per_s"] = flops / (row[f"{side}_ms"] * 1e-3) / 1e9 if rows else 0.0
+        row[f"{side}_gflop_per_s"] = flops / (row[f"{side}_ms"] * 1e-3) / 1e9
     row["panels_over_onednn"] = row["panels_ms"] / row["onednn_ms"]
     return row
 
