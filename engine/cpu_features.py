@@ -70,16 +70,17 @@ ZEN_FAMILY = 25  # AMD family 19h: Zen 3 (no AVX-512) and Zen 4 (AVX-512 on 256-
 
 
 def panel_linear_wins(flags: frozenset[str] | None = None, identity: tuple[str, int | None] | None = None) -> bool:
-    """Whether kernels/linear's panel kernel runs fp32 linears faster than oneDNN here (PackedLinear then picks it):
-    on AVX2 + FMA CPUs without AVX-512 (Zen 3 and older, pre-Skylake-SP Intel), where oneDNN's fp32 GEMM leaves about a
-    third of the FMA peak at decode shapes (decode steps' GEMMs 1.1-1.25x faster); on AMD Zen 4, whose 512-bit FMAs
-    run on 256-bit units, with the kernel's 12 x 16 zmm tile of before (W1 decode steps 1.37x faster at 1 sequence,
-    1.16x at 21, 1.03x at 64; prefill 1.04x slower); and since 2026-12-01 on Intel's AVX-512 CPUs, with the 14 x 32 zmm
-    tile (two panels a tile) reading x in place: on a Xeon with AMX (family 6 model 167, 2 MB L2 per core) W1's 32
-    body GEMMs in 0.70 of oneDNN's time at 21 rows, 0.86 at 64, 1.06x at 256 and 1.11x at 2048 (the 12 x 16 tile had
-    lost from 32 rows on, and 25-35% at prefill's). AMD Zen 5 (family 26, AVX-512 on 512-bit units) keeps oneDNN: there
-    the 12 x 16 tile took a W1 layer's four GEMMs 0.94x oneDNN's time at 1 row but 1.26x at 21, 1.30x at 64 and 1.34x
-    at 2048 (2026-11-27, family 26 model 2); the 14 x 32 tile was not measured there."""
+    """Whether kernels/linear's panel kernel runs fp32 linears faster than oneDNN here (PackedLinear then picks it): on
+    AVX2 + FMA CPUs without AVX-512 (Zen 3 and older, pre-Skylake-SP Intel), where oneDNN's fp32 GEMM leaves about a
+    third of the FMA peak at decode shapes (decode steps' GEMMs 1.1-1.25x faster); on AMD Zen 4, whose 512-bit FMAs run
+    on 256-bit units, with the kernel's 12 x 16 zmm tile of before (W1 decode steps 1.37x faster at 1 sequence, 1.16x at
+    21, 1.03x at 64; prefill 1.04x slower); and since 2026-12-01 on Intel's AVX-512 CPUs, with the 14 x 32 zmm tile (two
+    panels a tile) reading x in place: on a Xeon with AMX (family 6 model 167, 2 MB L2 per core) W1's 32 body GEMMs in
+    0.70 of oneDNN's time at 21 rows, 0.86 at 64, 1.06x at 256 and 1.11x at 2048 (the 12 x 16 tile had lost from 32 rows
+    on, and 25-35% at prefill's); on the model 207 Xeon (2026-12-02) 0.62 at 21 rows, 0.85 at 64 but 1.11-1.25x at 2048,
+    so W1's prefill-heavy offline run took ~1.07x as long as with oneDNN. AMD Zen 5 (family 26, AVX-512 on 512-bit
+    units) keeps oneDNN: there the 12 x 16 tile took a W1 layer's four GEMMs 0.94x oneDNN's time at 1 row but 1.26x at
+    21, 1.30x at 64 and 1.34x at 2048 (2026-11-27, family 26 model 2); the 14 x 32 tile was not measured there."""
     flags = cpu_flags() if flags is None else flags
     if not {"avx2", "fma"} <= flags:
         return False
