@@ -8,7 +8,8 @@ thread between steps.
 
 Stacked layout per layer and packed module (e.g. "qkv_proj" = q, k, v slices):
 `lora_a: [max_loras, S * R, H_in]`, `lora_b: [max_loras, H_out, R]` with R = max_lora_rank, lower ranks
-zero-padded, modules an adapter does not target left zero, and each module's scaling folded into its B.
+zero-padded, modules an adapter does not target left zero, and each module's scaling folded into its B. For the CPU
+kernels (`transposed_b`) B is stored as `lora_bt: [max_loras, R, H_out]` and `lora_b` is its transposed view.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ Key = tuple[str, str]  # LoRARequest.key
 @dataclass(slots=True)
 class HostAdapter:
     weights: LoRAWeights  # what was read, without its per-module tensors: `rows` hold them, packed
-    rows: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, packed) -> (A row, B row)
+    # (layer, packed) -> (A row [S * R, H_in], B row): [H_out, R], or [R, H_out] where the cache keeps B transposed
+    rows: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     load_seconds: float
 
 
@@ -71,32 +73,42 @@ class AdapterCache:
         transposed_b: bool = False,
     ):
         """`loader_setup` runs first on the loader thread (the engine keeps it off its OpenMP team).
-        `transposed_b`: also keep every lora_b stack as [N, R, H_out] (`lora_bt`), each row written with its
-        lora_b row, for kernels that read B that way (the CPU ones: otherwise they transpose every row of a stack
-        again whenever any one row changes)."""
+        `transposed_b`: keep every B stack as [N, R, H_out] (`lora_bt`), with `lora_b` its transposed view, for
+        kernels that read B that way (the CPU ones: otherwise they transpose every row of a stack again whenever
+        any one row changes); the host rows then hold B transposed too, so an activation is plain row copies."""
         if max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be at least max_loras ({max_loras})")
         self.spec, self.packed = spec, packed
         self.max_loras, self.max_cpu_loras, self.max_lora_rank = max_loras, max_cpu_loras, max_lora_rank
         self.device, self.dtype, self.allow_pickle = device, dtype, allow_pickle
         rank = max_lora_rank
+        self.transposed_b = transposed_b
         self.lora_a: list[dict[str, torch.Tensor]] = []  # per layer: packed name -> [N, S * R, H_in]
         self.lora_b: list[dict[str, torch.Tensor]] = []  # per layer: packed name -> [N, H_out, R]
+        # per layer: packed name -> [N, R, H_out], whose transposed view lora_b is (transposed_b only)
+        self.lora_bt: list[dict[str, torch.Tensor]] | None = [] if transposed_b else None
         for _ in range(spec.num_layers):
-            a, b = {}, {}
+            a, b, bt = {}, {}, {}
             for name, modules in packed.items():
                 h_in = spec.module_shapes[modules[0]][0]
                 h_out = sum(spec.module_shapes[m][1] for m in modules)
                 a[name] = torch.zeros(max_loras, len(modules) * rank, h_in, dtype=dtype, device=device)
-                b[name] = torch.zeros(max_loras, h_out, rank, dtype=dtype, device=device)
+                if transposed_b:
+                    bt[name] = torch.zeros(max_loras, rank, h_out, dtype=dtype, device=device)
+                    b[name] = bt[name].transpose(1, 2)  # one write of a row updates both
+                else:
+                    b[name] = torch.zeros(max_loras, h_out, rank, dtype=dtype, device=device)
             self.lora_a.append(a)
             self.lora_b.append(b)
-        # per layer: packed name -> [N, R, H_out], lora_b's rows transposed (transposed_b only)
-        self.lora_bt: list[dict[str, torch.Tensor]] | None = None
-        if transposed_b:
-            self.lora_bt = [
-                {name: b.transpose(1, 2).contiguous() for name, b in layer.items()} for layer in self.lora_b
-            ]
+            if self.lora_bt is not None:
+                self.lora_bt.append(bt)
+        # the stacks an activation writes: (layer, packed) -> (A stack, B stack in the host rows' layout)
+        b_stacks = self.lora_bt if self.lora_bt is not None else self.lora_b
+        self._stacks = {
+            (layer, name): (self.lora_a[layer][name], b_stacks[layer][name])
+            for layer in range(spec.num_layers)
+            for name in packed
+        }
         # [N] int64, host: the rank of the adapter in each row (its largest over modules): columns of A and B past
         # it are zero, and the CPU kernels skip them (a rank-8 adapter under max_lora_rank 64 costs rank 8)
         self.row_ranks = torch.full((max_loras,), rank, dtype=torch.int64)
@@ -118,11 +130,9 @@ class AdapterCache:
         start = time.perf_counter()
         weights = load_lora(lora.path, self.spec, self.max_lora_rank, self.allow_pickle, name=lora.adapter_id)
         self._check_fits(weights)
-        rows = {
-            (layer, name): self._padded_rows(weights, layer, modules)
-            for layer in range(self.spec.num_layers)
-            for name, modules in self.packed.items()
-        }
+        rows = {}
+        for name, modules in self.packed.items():
+            rows.update(self._packed_rows(weights, name, modules))
         if self.device.type == "cuda":
             rows = {key: (a.pin_memory(), b.pin_memory()) for key, (a, b) in rows.items()}
         # only the rows are kept: the tensors as read, kept beside them, doubled the host memory of every adapter,
@@ -141,16 +151,33 @@ class AdapterCache:
                     f"{scaling:g}, overflows {self.dtype}, the dtype it is served in"
                 )
 
+    def _packed_rows(self, weights: LoRAWeights, name: str, modules: tuple[str, ...]):
+        """(layer, name) -> (A row [S * R, H_in], B row [H_out, R], or [R, H_out] with transposed_b) for every
+        layer. When every layer holds all of the packed modules at rank R with one scaling (the usual adapter), the
+        rows of all layers are views of one concatenation of A and one of B: a few ops, where a layer at a time took
+        a few per layer (this runs beside the engine, on the loader thread)."""
+        layers = range(self.spec.num_layers)
+        present = [weights.weights.get((layer, module)) for layer in layers for module in modules]
+        scalings = {p[2] for p in present if p is not None}
+        if len(scalings) != 1 or not all(p is not None and p[0].shape[0] == self.max_lora_rank for p in present):
+            rows = {(layer, name): self._padded_rows(weights, layer, modules) for layer in layers}
+            if self.transposed_b:
+                rows = {key: (a, b.T.contiguous()) for key, (a, b) in rows.items()}
+            return rows
+        a = torch.cat([lora_a for lora_a, _, _ in present]).to(self.dtype)  # [L * S * R, H_in]
+        b = torch.cat([lora_b for _, lora_b, _ in present]).mul_(scalings.pop()).to(self.dtype)  # [L * H_out, R]
+        a_layers = a.view(len(layers), -1, a.shape[1])  # [L, S * R, H_in]
+        b_layers = b.view(len(layers), -1, b.shape[1])  # [L, H_out, R]
+        if self.transposed_b:
+            b_layers = b_layers.transpose(1, 2).contiguous()  # [L, R, H_out]
+        return dict(zip([(layer, name) for layer in layers], zip(a_layers.unbind(0), b_layers.unbind(0)), strict=True))
+
     def _padded_rows(self, weights: LoRAWeights, layer: int, modules: tuple[str, ...]):
         rank, shapes = self.max_lora_rank, self.spec.module_shapes
         present = [weights.weights.get((layer, module)) for module in modules]
         if all(p is not None and p[0].shape[0] == rank for p in present):  # nothing to pad: concatenate
             a = torch.cat([lora_a for lora_a, _, _ in present]).to(self.dtype)  # [S * R, H_in]
-            scalings = {scaling for _, _, scaling in present}
-            if len(scalings) == 1:  # the usual case: one lora_alpha / r for every module
-                b = torch.cat([lora_b for _, lora_b, _ in present]).mul_(scalings.pop())  # [H_out, R]
-            else:
-                b = torch.cat([lora_b * scaling for _, lora_b, scaling in present])
+            b = torch.cat([lora_b * scaling for _, lora_b, scaling in present])  # [H_out, R]
             return a, b.to(self.dtype)
         a = torch.zeros(len(modules) * rank, shapes[modules[0]][0], dtype=self.dtype)  # [S * R, H_in]
         b = torch.zeros(sum(shapes[m][1] for m in modules), rank, dtype=self.dtype)  # [H_out, R]
@@ -277,11 +304,10 @@ class AdapterCache:
         return rows.row_of.pop(victim)
 
     def _activate(self, row: int, host: HostAdapter) -> None:
-        for (layer, name), (a, b) in host.rows.items():
-            self.lora_a[layer][name][row].copy_(a)  # synchronous: the host tier may drop `a` right after
-            self.lora_b[layer][name][row].copy_(b)
-            if self.lora_bt is not None:
-                self.lora_bt[layer][name][row].copy_(b.T)
+        for key, (a, b) in host.rows.items():
+            a_stack, b_stack = self._stacks[key]
+            a_stack[row].copy_(a)  # synchronous: the host tier may drop `a` right after
+            b_stack[row].copy_(b)
         self.row_ranks[row] = host.weights.rank
         self.stats.activations += 1
 

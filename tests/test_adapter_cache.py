@@ -10,6 +10,7 @@ import torch
 
 from adapters.base_spec import BaseModelSpec
 from adapters.cache import AdapterCache
+from adapters.lora_weights import load_lora
 from adapters.ref import LoRARequest
 from engine.models.llama import lora_targets
 from tests.hf_models import make_adapter, make_model
@@ -141,8 +142,8 @@ def test_a_row_records_the_rank_of_the_adapter_it_holds(loaded):
 
 
 def test_the_transposed_b_stacks_follow_every_row_written(tiny_adapters):
-    """transposed_b: each lora_bt row is written with its lora_b row, so the CPU expand never transposes a whole
-    stack again after an activation."""
+    """transposed_b: lora_b is lora_bt's transposed view, so writing a row writes both, and the CPU expand never
+    transposes a whole stack again after an activation."""
     from kernels.lora import cpu_ops
 
     spec, loras = tiny_adapters
@@ -155,6 +156,12 @@ def test_the_transposed_b_stacks_follow_every_row_written(tiny_adapters):
         for layer_b, layer_bt in zip(cache.lora_b, cache.lora_bt, strict=True):
             for name, b in layer_b.items():
                 assert torch.equal(layer_bt[name], b.transpose(1, 2)), name
+                assert b.data_ptr() == layer_bt[name].data_ptr() and layer_bt[name].is_contiguous(), name
+        row, host = cache.acquire(loras[0]), cache.read(loras[0])
+        for (layer, name), (_, bt_row) in host.rows.items():  # B^T rows in host memory too: copies, not transposes
+            assert bt_row.shape == cache.lora_bt[layer][name].shape[1:] and bt_row.is_contiguous()  # [R, H_out]
+            assert torch.equal(cache.lora_bt[layer][name][row], bt_row), (layer, name)
+        cache.release(row)
         b, bt = cache.lora_b[0]["qkv_proj"], cache.lora_bt[0]["qkv_proj"]
         cpu_ops.keep_transposed(b, bt)
         assert cpu_ops.transposed(b) is bt  # used as it is, whatever b's version
@@ -165,26 +172,33 @@ def test_the_transposed_b_stacks_follow_every_row_written(tiny_adapters):
     assert make_cache(spec, 1, 1).lora_bt is None  # only when asked
 
 
+@pytest.mark.parametrize("transposed_b", [False, True], ids=["b", "bt"])
 @pytest.mark.parametrize("alpha_pattern", [{}, {"k_proj": 3, "up_proj": 40}], ids=["one-scaling", "mixed-scalings"])
-def test_full_rank_rows_are_the_padded_rows_without_the_padding(tiny_adapters, tokenizer, tmp_path, alpha_pattern):
-    """An adapter whose rank is the stack's R takes the concatenating path; the same adapter under R = 2r takes the
-    padding one: the same A rows and scaled B columns, and zeros past r."""
+def test_full_rank_rows_are_the_padded_rows_without_the_padding(
+    tiny_adapters, tokenizer, tmp_path, alpha_pattern, transposed_b
+):
+    """An adapter whose rank is the stack's R with one scaling takes the path that packs all layers at once; with
+    mixed scalings, or under R = 2r, it is packed a layer at a time: the same A rows and scaled B columns (B^T's
+    rows with transposed_b), and zeros past r."""
     from peft import LoraConfig
 
     spec, _ = tiny_adapters
     hf = make_model(tmp_path / "base", tokenizer, "llama")
     config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", alpha_pattern=alpha_pattern)
     lora = LoRARequest("full@1", make_adapter(hf, tmp_path / "full", seed=7, config=config))
-    exact = AdapterCache(spec, lora_targets, 1, 1, 4, torch.device("cpu"), torch.float32)
-    padded = AdapterCache(spec, lora_targets, 1, 1, 8, torch.device("cpu"), torch.float32)
+    args = (spec, lora_targets, 1, 1)
+    exact = AdapterCache(*args, 4, torch.device("cpu"), torch.float32, transposed_b=transposed_b)
+    padded = AdapterCache(*args, 8, torch.device("cpu"), torch.float32)
     try:
-        rows, padded_rows = exact.read(lora).rows, padded.read(lora).rows
+        rows, padded_rows, weights = exact.read(lora).rows, padded.read(lora).rows, load_lora(lora.path, spec, 8)
         assert rows.keys() == padded_rows.keys()
         for key, (a, b) in rows.items():
             pa, pb = padded_rows[key]
-            slices = len(lora_targets[key[1]])
-            assert torch.equal(pa.view(slices, 8, -1)[:, :4].reshape(a.shape), a), key
-            assert torch.equal(pb[:, :4], b) and not pb[:, 4:].any(), key
+            layer, modules = key[0], lora_targets[key[1]]
+            assert torch.equal(pa.view(len(modules), 8, -1)[:, :4].reshape(a.shape), a), key
+            assert torch.equal(pb[:, :4], b.T if transposed_b else b) and not pb[:, 4:].any(), key
+            expected_b = torch.cat([weights.weights[layer, m][1] * weights.weights[layer, m][2] for m in modules])
+            assert torch.equal(pb[:, :4], expected_b), key
     finally:
         exact.shutdown()
         padded.shutdown()
