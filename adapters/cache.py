@@ -82,7 +82,6 @@ class AdapterCache:
         self.max_loras, self.max_cpu_loras, self.max_lora_rank = max_loras, max_cpu_loras, max_lora_rank
         self.device, self.dtype, self.allow_pickle = device, dtype, allow_pickle
         rank = max_lora_rank
-        self.transposed_b = transposed_b
         self.lora_a: list[dict[str, torch.Tensor]] = []  # per layer: packed name -> [N, S * R, H_in]
         self.lora_b: list[dict[str, torch.Tensor]] = []  # per layer: packed name -> [N, H_out, R]
         # per layer: packed name -> [N, R, H_out], whose transposed view lora_b is (transposed_b only)
@@ -153,32 +152,30 @@ class AdapterCache:
 
     def _packed_rows(self, weights: LoRAWeights, name: str, modules: tuple[str, ...]):
         """(layer, name) -> (A row [S * R, H_in], B row [H_out, R], or [R, H_out] with transposed_b) for every
-        layer. When every layer holds all of the packed modules at rank R with one scaling (the usual adapter), the
-        rows of all layers are views of one concatenation of A and one of B: a few ops, where a layer at a time took
-        a few per layer (this runs beside the engine, on the loader thread)."""
-        layers = range(self.spec.num_layers)
+        layer. When every layer holds all of the packed modules at rank R (the usual adapter), the rows of all layers
+        are views of one concatenation of A and one of B: a few ops, where a layer at a time took a few per layer
+        (this runs beside the engine, on the loader thread); otherwise each layer's rows are padded."""
+        layers, transposed_b = range(self.spec.num_layers), self.lora_bt is not None
         present = [weights.weights.get((layer, module)) for layer in layers for module in modules]
-        scalings = {p[2] for p in present if p is not None}
-        if len(scalings) != 1 or not all(p is not None and p[0].shape[0] == self.max_lora_rank for p in present):
+        if not all(p is not None and p[0].shape[0] == self.max_lora_rank for p in present):
             rows = {(layer, name): self._padded_rows(weights, layer, modules) for layer in layers}
-            if self.transposed_b:
+            if transposed_b:
                 rows = {key: (a, b.T.contiguous()) for key, (a, b) in rows.items()}
             return rows
         a = torch.cat([lora_a for lora_a, _, _ in present]).to(self.dtype)  # [L * S * R, H_in]
-        b = torch.cat([lora_b for _, lora_b, _ in present]).mul_(scalings.pop()).to(self.dtype)  # [L * H_out, R]
+        scalings = {scaling for _, _, scaling in present}
+        if len(scalings) == 1:  # the usual case: one lora_alpha / r for every module
+            b = torch.cat([lora_b for _, lora_b, _ in present]).mul_(scalings.pop())  # [L * H_out, R]
+        else:
+            b = torch.cat([lora_b * scaling for _, lora_b, scaling in present])
         a_layers = a.view(len(layers), -1, a.shape[1])  # [L, S * R, H_in]
-        b_layers = b.view(len(layers), -1, b.shape[1])  # [L, H_out, R]
-        if self.transposed_b:
+        b_layers = b.to(self.dtype).view(len(layers), -1, b.shape[1])  # [L, H_out, R]
+        if transposed_b:
             b_layers = b_layers.transpose(1, 2).contiguous()  # [L, R, H_out]
         return dict(zip([(layer, name) for layer in layers], zip(a_layers.unbind(0), b_layers.unbind(0)), strict=True))
 
     def _padded_rows(self, weights: LoRAWeights, layer: int, modules: tuple[str, ...]):
         rank, shapes = self.max_lora_rank, self.spec.module_shapes
-        present = [weights.weights.get((layer, module)) for module in modules]
-        if all(p is not None and p[0].shape[0] == rank for p in present):  # nothing to pad: concatenate
-            a = torch.cat([lora_a for lora_a, _, _ in present]).to(self.dtype)  # [S * R, H_in]
-            b = torch.cat([lora_b * scaling for _, lora_b, scaling in present])  # [H_out, R]
-            return a, b.to(self.dtype)
         a = torch.zeros(len(modules) * rank, shapes[modules[0]][0], dtype=self.dtype)  # [S * R, H_in]
         b = torch.zeros(sum(shapes[m][1] for m in modules), rank, dtype=self.dtype)  # [H_out, R]
         offset = 0

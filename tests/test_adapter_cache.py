@@ -177,9 +177,9 @@ def test_the_transposed_b_stacks_follow_every_row_written(tiny_adapters):
 def test_full_rank_rows_are_the_padded_rows_without_the_padding(
     tiny_adapters, tokenizer, tmp_path, alpha_pattern, transposed_b
 ):
-    """An adapter whose rank is the stack's R with one scaling takes the path that packs all layers at once; with
-    mixed scalings, or under R = 2r, it is packed a layer at a time: the same A rows and scaled B columns (B^T's
-    rows with transposed_b), and zeros past r."""
+    """An adapter whose rank is the stack's R takes the path that packs all layers at once (with one scaling or
+    mixed ones); under R = 2r it is padded a layer at a time: the same A rows and scaled B columns (B^T's rows with
+    transposed_b), and zeros past r."""
     from peft import LoraConfig
 
     spec, _ = tiny_adapters
