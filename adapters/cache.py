@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from adapters.base_spec import BaseModelSpec
-from adapters.lora_weights import AdapterError, LoRAWeights, load_lora
+from adapters.lora_weights import AdapterError, LoRAWeights, load_lora, magnitudes
 from adapters.ref import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -140,10 +140,14 @@ class AdapterCache:
 
     def _check_fits(self, weights: LoRAWeights) -> None:
         """Raises naming the first module whose A, or B times its scaling (as the rows hold them), passes the serving
-        dtype's largest value: from the magnitudes `load_lora` measured, without converting anything."""
+        dtype's largest value, without converting anything: at once when the largest value `load_lora` measured
+        fits times the largest scaling (the usual adapter), else module by module."""
         limit = torch.finfo(self.dtype).max
-        for (layer, module), (a_max, b_max) in sorted(weights.magnitudes.items()):
-            scaling = weights.weights[layer, module][2]
+        scaling = max((abs(s) for _, _, s in weights.weights.values()), default=1.0)
+        if weights.largest * max(scaling, 1.0) <= limit:
+            return
+        for (layer, module), (lora_a, lora_b, scaling) in sorted(weights.weights.items()):
+            a_max, b_max = magnitudes([lora_a, lora_b])
             if a_max > limit or b_max * abs(scaling) > limit:
                 raise AdapterError(
                     f"adapter {weights.name!r}: layer {layer} {module}: lora_A, or lora_B times its scaling "

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
@@ -30,6 +31,8 @@ PICKLE_NAME = "adapter_model.bin"
 # 256 at rank 1). Beyond 1000 the delta outweighs the base layer by orders of magnitude, a mistake or an attack, and
 # scaling * lora_B, folded into the stacked weights in the serving dtype (float16 ends at 65504), may overflow.
 MAX_LORA_SCALING = 1000.0
+# The stored dtypes whose values numpy reads straight from a safetensors file's bytes, and float32 holds exactly
+PAYLOAD_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
 
 # base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight, with or without `.default` before `.weight`
 LORA_TENSOR = re.compile(
@@ -50,8 +53,7 @@ class LoRAWeights:
     base_model_name: str | None  # the config's base_model_name_or_path
     # (layer, module) -> (A [r, in] fp32, B [out, r] fp32, scaling): delta(x) = scaling * x @ A.T @ B.T
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
-    # (layer, module) -> the largest |value| of its A and of its B (all finite): whether a serving dtype holds them
-    magnitudes: dict[tuple[int, str], tuple[float, float]]
+    largest: float  # the largest |value| of any A or B (all finite): whether a serving dtype holds them
 
 
 def load_lora(
@@ -64,10 +66,10 @@ def load_lora(
         raise AdapterError(f"adapter {label!r}: {path} is not a directory")
     config = read_adapter_config(directory, label)
     _check_base_name(config, spec, label)
-    stored, weights_file = _read_tensors(directory, label, allow_pickle)
+    stored, weights_file, payload = _read_tensors(directory, label, allow_pickle)
     tensors, pairs, prefix = _pair_tensors(stored, spec, label)
     _check_targets(config, set(pairs.values()), prefix, spec, label)
-    weights, magnitudes = _checked_weights(tensors, pairs, config, max_lora_rank, label)
+    weights, largest = _checked_weights(tensors, pairs, config, max_lora_rank, label, payload)
     return LoRAWeights(
         name=name if name is not None else directory.name,
         path=str(path),
@@ -78,21 +80,24 @@ def load_lora(
         alpha=float(config.lora_alpha),
         base_model_name=config.base_model_name_or_path,
         weights=weights,
-        magnitudes=magnitudes,
+        largest=largest,
     )
 
 
 def _read_tensors(
     directory: Path, label: str, allow_pickle: bool
-) -> tuple[dict[str, torch.Tensor], FileIdentity | None]:
-    """Stored tensor name -> tensor, from the safetensors file, else (if allowed) the pickle; and that file's identity
-    when it did not change while it was read (see adapters/content_digest.py)."""
+) -> tuple[dict[str, torch.Tensor], FileIdentity | None, np.ndarray | None]:
+    """Stored tensor name -> tensor, from the safetensors file, else (if allowed) the pickle; that file's identity
+    when it did not change while it was read (see adapters/content_digest.py); and every tensor's values in one
+    array where `_payload` can give it."""
     safetensors_path, pickle_path = directory / SAFETENSORS_NAME, directory / PICKLE_NAME
+    payload = None
     if safetensors_path.is_file():
         try:  # one read of the whole file, then one parse: an adapter is small, and its hundreds of tensors tiny
             with open(safetensors_path, "rb") as f:
                 before, data, after = os.fstat(f.fileno()), f.read(), os.fstat(f.fileno())
             stored = dict(sorted(load_safetensors(data).items()))  # by name, as safe_open
+            payload = _payload(data, stored)
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
             raise AdapterError(f"adapter {label!r}: cannot read {safetensors_path}: {e}") from e
     elif pickle_path.is_file():
@@ -116,7 +121,24 @@ def _read_tensors(
         raise AdapterError(f"adapter {label!r}: no weights file ({SAFETENSORS_NAME}) in {directory}")
     if not stored:
         raise AdapterError(f"adapter {label!r}: the weights file holds no tensors")
-    return stored, settled_identity(before, after)
+    return stored, settled_identity(before, after), payload
+
+
+def _payload(data: bytes, stored: dict[str, torch.Tensor]) -> np.ndarray | None:
+    """The values of every tensor of the safetensors file `data` (which `stored` holds, as read) as one array, a view
+    of the file's bytes, when they share a dtype of PAYLOAD_DTYPES; else None. A safetensors file is an 8-byte header
+    length, the header, then the tensors' bytes with no gap between them (the library refuses a file with a hole), so
+    one pass over the array checks them all: an adapter holds hundreds of small tensors, and a call for each cost
+    more than the pass (W1's rank-8 adapter on all modules, 112 tensors, one thread: 0.51 ms against 0.22)."""
+    dtypes = {t.dtype for t in stored.values()}
+    dtype = PAYLOAD_DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
+    if dtype is None or len(data) < 8:
+        return None
+    start = 8 + int.from_bytes(data[:8], "little")
+    size, extra = divmod(len(data) - start, np.dtype(dtype).itemsize)
+    if extra or size != sum(t.numel() for t in stored.values()):
+        return None
+    return np.frombuffer(data, dtype, count=size, offset=start)
 
 
 def _pair_tensors(
@@ -213,8 +235,11 @@ def _checked_weights(
     config: AdapterConfig,
     max_lora_rank: int,
     label: str,
-) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]], dict[tuple[int, str], tuple[float, float]]]:
-    """(A, B, scaling) per (layer, module) in module order, and the largest |value| of each A and B."""
+    payload: np.ndarray | None = None,
+) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]], float]:
+    """(A, B, scaling) per (layer, module) in module order, and the largest |value| of any A or B: from `payload`
+    (every stored tensor's values, see `_payload`) when given, in one pass; each tensor's own where that is not
+    finite (to name the tensor) or not given."""
     weights = {}
     for (layer, module), key in sorted(pairs.items()):
 
@@ -228,12 +253,22 @@ def _checked_weights(
         if rank != config.rank_for(key):
             raise fail(f"lora_A has rank {rank}, but adapter_config.json gives r={config.rank_for(key)} for it")
         weights[layer, module] = a, b, _checked_scaling(config, key, label)
-    largest = magnitudes([t for a, b, _ in weights.values() for t in (a, b)])  # weights: in module order
-    bad = next((i for i, m in enumerate(largest) if not math.isfinite(m)), None)
+    if payload is not None and math.isfinite(largest := _largest(payload)):
+        return weights, largest
+    each = magnitudes([t for a, b, _ in weights.values() for t in (a, b)])  # weights: in module order
+    bad = next((i for i, m in enumerate(each) if not math.isfinite(m)), None)
     if bad is not None:
         key, ab = pairs[list(weights)[bad // 2]], ("lora_A", "lora_B")[bad % 2]
         raise AdapterError(f"adapter {label!r}: {key}.{ab} holds NaN or Inf values")
-    return weights, {module: (largest[2 * i], largest[2 * i + 1]) for i, module in enumerate(weights)}
+    return weights, max(each, default=0.0)
+
+
+def _largest(values: np.ndarray) -> float:
+    """The largest |value| of the array: NaN when it holds a NaN, inf when an Inf, 0 when empty; no copy."""
+    if not values.size:
+        return 0.0
+    low, high = float(values.min()), float(values.max())  # NaN carries through both
+    return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
 
 
 def magnitudes(tensors: list[torch.Tensor]) -> list[float]:

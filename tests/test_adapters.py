@@ -15,9 +15,10 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel
 from peft.tuners.lora import Linear as PeftLoraLinear
+from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file, save_file
 
-from adapters import AdapterError, BaseModelSpec, load_lora
+from adapters import AdapterError, BaseModelSpec, load_lora, lora_weights
 from adapters import content_digest as digests
 from adapters.lora_weights import magnitudes
 from tests.hf_models import make_adapter, make_model
@@ -360,9 +361,51 @@ def test_magnitudes_are_each_tensors_largest_absolute_value_and_carry_nan_and_in
     assert largest[3] == math.inf and largest[4] == 4.0
 
 
-def test_a_loaded_adapter_records_the_largest_magnitude_of_each_a_and_b(base, spec, tmp_path):
+STORED_AS = {
+    "float32": lambda ts: ts,
+    "float16": lambda ts: {k: t.half() for k, t in ts.items()},
+    "bfloat16": lambda ts: {k: t.bfloat16() for k, t in ts.items()},
+    "mixed": lambda ts: {k: t.half() if "lora_A" in k else t for k, t in ts.items()},
+}
+
+
+@pytest.mark.parametrize("stored_as", STORED_AS, ids=STORED_AS.keys())
+def test_a_loaded_adapter_records_its_largest_magnitude(base, spec, tmp_path, monkeypatch, stored_as):
     make_adapter(base, tmp_path)
+    edit_tensors(tmp_path, STORED_AS[stored_as])
+    per_tensor = []  # the calls of the tensor-by-tensor measure: none where the file's values are read at once
+    monkeypatch.setattr(lora_weights, "magnitudes", lambda ts: per_tensor.append(len(ts)) or magnitudes(ts))
     loaded = load_lora(tmp_path, spec, MAX_RANK)
-    assert set(loaded.magnitudes) == set(loaded.weights)
-    for key, (lora_a, lora_b, _) in loaded.weights.items():
-        assert loaded.magnitudes[key] == (float(lora_a.abs().max()), float(lora_b.abs().max()))
+    tensors = [t for a, b, _ in loaded.weights.values() for t in (a, b)]
+    assert loaded.largest == max(float(t.abs().max()) for t in tensors) > 0
+    assert per_tensor == ([] if stored_as in ("float32", "float16") else [len(tensors)])
+
+
+def test_the_payload_is_every_stored_tensor_at_once_where_numpy_reads_their_dtype(base, tmp_path):
+    make_adapter(base, tmp_path)
+    path = tmp_path / "adapter_model.safetensors"
+    for stored_as, readable in [("float32", True), ("float16", True), ("bfloat16", False), ("mixed", False)]:
+        edit_tensors(tmp_path, STORED_AS[stored_as])
+        data = path.read_bytes()
+        stored = load_safetensors(data)
+        payload = lora_weights._payload(data, stored)
+        assert (payload is not None) == readable, stored_as
+        if readable:  # the same values (in the file's order, not by name)
+            values = torch.cat([t.reshape(-1) for t in stored.values()]).float()
+            assert torch.equal(torch.from_numpy(payload.astype("float32")).sort().values, values.sort().values)
+            assert lora_weights._payload(data[:-1], stored) is None  # bytes short of whole values: not read
+        edit_tensors(tmp_path, lambda ts: {k: t.float() for k, t in ts.items()})
+
+
+@pytest.mark.parametrize("stored_as", ["float16", "bfloat16"])
+def test_a_non_finite_weight_stored_in_half_precision_is_named(base, spec, tmp_path, stored_as):
+    make_adapter(base, tmp_path, config=QV)
+
+    def edit(ts):
+        ts = STORED_AS[stored_as](ts)
+        ts["base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"][0, 2] = float("inf")
+        return ts
+
+    edit_tensors(tmp_path, edit)
+    with pytest.raises(AdapterError, match=r"layers\.1\.self_attn\.v_proj\.lora_A holds NaN or Inf"):
+        load_lora(tmp_path, spec, MAX_RANK)
