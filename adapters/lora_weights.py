@@ -264,24 +264,19 @@ def _checked_weights(
 
 
 def _largest(values: np.ndarray) -> float:
-    """The largest |value| of the array: NaN when it holds a NaN, inf when an Inf, 0 when empty; no copy."""
-    if not values.size:
-        return 0.0
-    low, high = float(values.min()), float(values.max())  # NaN carries through both
-    return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
+    """The largest |value| of the array, as `magnitudes` gives a tensor's; no copy."""
+    return _largest_of(float(values.min()), float(values.max())) if values.size else 0.0  # NaN carries through both
 
 
 def magnitudes(tensors: list[torch.Tensor]) -> list[float]:
     """Each tensor's largest |value|: NaN when it holds a NaN, inf when an Inf (aminmax carries both), 0 when empty.
     One pass over each tensor and no copy: an adapter has hundreds of small ones, read while the engine runs."""
-    largest = []
-    for t in tensors:
-        if not t.numel():
-            largest.append(0.0)
-            continue
-        low, high = (float(x) for x in torch.aminmax(t))
-        largest.append(math.nan if math.isnan(low) or math.isnan(high) else max(-low, high))
-    return largest
+    return [_largest_of(*(float(x) for x in torch.aminmax(t))) if t.numel() else 0.0 for t in tensors]
+
+
+def _largest_of(low: float, high: float) -> float:
+    """The largest |value| between a smallest `low` and a largest `high`: NaN when either is."""
+    return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
 
 
 def _checked_scaling(config: AdapterConfig, key: str, label: str) -> float:

@@ -174,8 +174,10 @@ inline void shrink_columns(const T* a, const T* const* x, Z* const* out, int64_t
 // cpu-lora`) took 5.5 ms at 256 tokens against 6.6-6.7, 38-39 at 2048 against 47-48 (the shrinks 16-17 against 27),
 // within 5% at 1-64 tokens, the same bits. A run of more than kTileTokens tokens takes several tiles. With AVX-512 the
 // tiles stay what they were (all of a run's tokens, shrink's columns in pairs, expand's vectors one at a time), the
-// shape measured on the Zen 4 and the Xeons: no AVX-512 machine was at hand to measure another (compiled for one, tiles
-// of 16 zmm accumulators stay in registers; of 24, GCC spills the expand's).
+// shape measured on the Zen 4 and the Xeons. Wider ones, 16 or 24 accumulators whatever the run's length (shrink 2-3
+// columns and expand 1-3 vectors at eight tokens, up to 8 of each at one or two), were no faster on a Xeon with AMX
+// (family 6 model 167, 2026-12-02, `bench cpu-lora` at 1-2048 tokens: within its noise, or slower), nor was
+// prefetching the next column block's A or the expand's B rows 8-16 vectors ahead within a run.
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kTileTokens = kMaxRun;
 template <int NT>
