@@ -31,8 +31,9 @@ PICKLE_NAME = "adapter_model.bin"
 # 256 at rank 1). Beyond 1000 the delta outweighs the base layer by orders of magnitude, a mistake or an attack, and
 # scaling * lora_B, folded into the stacked weights in the serving dtype (float16 ends at 65504), may overflow.
 MAX_LORA_SCALING = 1000.0
-# The stored dtypes whose values numpy reads straight from a safetensors file's bytes, and float32 holds exactly
-PAYLOAD_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
+# The stored dtypes whose values numpy reads straight from a safetensors file's (little-endian) bytes, and float32
+# holds exactly
+PAYLOAD_DTYPES = {torch.float32: np.dtype("<f4"), torch.float16: np.dtype("<f2")}
 
 # base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight, with or without `.default` before `.weight`
 LORA_TENSOR = re.compile(
@@ -135,7 +136,7 @@ def _payload(data: bytes, stored: dict[str, torch.Tensor]) -> np.ndarray | None:
     if dtype is None or len(data) < 8:
         return None
     start = 8 + int.from_bytes(data[:8], "little")
-    size, extra = divmod(len(data) - start, np.dtype(dtype).itemsize)
+    size, extra = divmod(len(data) - start, dtype.itemsize)
     if extra or size != sum(t.numel() for t in stored.values()):
         return None
     return np.frombuffer(data, dtype, count=size, offset=start)
