@@ -143,8 +143,8 @@ class AdapterCache:
         dtype's largest value, without converting anything: at once when the largest value `load_lora` measured
         fits times the largest scaling (the usual adapter), else module by module."""
         limit = torch.finfo(self.dtype).max
-        scaling = max((abs(s) for _, _, s in weights.weights.values()), default=1.0)
-        if weights.largest * max(scaling, 1.0) <= limit:
+        largest_scaling = max((abs(s) for _, _, s in weights.weights.values()), default=1.0)
+        if weights.largest * max(largest_scaling, 1.0) <= limit:
             return
         for (layer, module), (lora_a, lora_b, scaling) in sorted(weights.weights.items()):
             a_max, b_max = magnitudes([lora_a, lora_b])

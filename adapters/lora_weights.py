@@ -133,7 +133,7 @@ def _payload(data: bytes, stored: dict[str, torch.Tensor]) -> np.ndarray | None:
     more than the pass (W1's rank-8 adapter on all modules, 112 tensors, one thread: 0.51 ms against 0.22)."""
     dtypes = {t.dtype for t in stored.values()}
     dtype = PAYLOAD_DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
-    if dtype is None or len(data) < 8:
+    if dtype is None:  # (the library has parsed `data`: it holds the 8 bytes of its header's length)
         return None
     start = 8 + int.from_bytes(data[:8], "little")
     size, extra = divmod(len(data) - start, dtype.itemsize)
@@ -236,7 +236,7 @@ def _checked_weights(
     config: AdapterConfig,
     max_lora_rank: int,
     label: str,
-    payload: np.ndarray | None = None,
+    payload: np.ndarray | None,
 ) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]], float]:
     """(A, B, scaling) per (layer, module) in module order, and the largest |value| of any A or B: from `payload`
     (every stored tensor's values, see `_payload`) when given, in one pass; each tensor's own where that is not
