@@ -40,7 +40,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <utility>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -70,14 +69,15 @@ constexpr int64_t kLeadK = 512;   // how far ahead (in k-rows of a panel, 64 byt
 
 // c[0 .. R, 0 .. 16 P) (+)= a[r * lda + k] . panels[k][16 P] over kc steps of k, for P = 1 or 2 adjacent panels (the
 // second panel_stride floats after the first); `first`: start from zero, else from c; `bias` (or null) is added as
-// the tile is stored; `lead`: also prefetch the panels' stream kLeadK k-rows ahead, which from step `lead_wrap` on
-// is past the panels' end: each panel's stream goes on in the next pair, P panels on, so the lead skips the other
-// panel of this pair (until 2026-12-02 it fetched that panel again, and never the next pair's second: a W1 step's
-// GEMMs, K = 512, took 3-7% longer at 1-8 rows on a Xeon with AMX).
+// the tile is stored; the chunk's first row tile (`tile_index` 0) also prefetches the panels' stream kLeadK k-rows
+// ahead, which from step `lead_wrap` on is past the panels' end: each panel's stream goes on in the next pair, P
+// panels on, so the lead skips the other panel of this pair (until 2026-12-02 it fetched that panel again, and never
+// the next pair's second: a W1 step's GEMMs, K = 512, took 3-7% longer at 1-8 rows on a Xeon with AMX).
 template <int R, int P>
 inline void tile(const float* a, int64_t lda, const float* b, int64_t panel_stride, int64_t kc, float* c, int64_t ldc,
-                 bool first, const float* bias, bool lead, int64_t lead_wrap) {
+                 bool first, const float* bias, int64_t tile_index, int64_t lead_wrap) {
   static_assert(P == 1 || P == 2, "a tile spans one or two panels");
+  const bool lead = tile_index == 0;
   // named: arrays of __m512 spill to the stack; c_r: row r's first panel, d_r its second
   __m512 c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13;
   __m512 d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13;
@@ -130,13 +130,13 @@ inline void tile(const float* a, int64_t lda, const float* b, int64_t panel_stri
 // c[0 .. R, 0 .. 16) (+)= a[r * lda + k] . b_panel[k][16] over kc steps of k; `first`: start from zero, else from
 // c; `bias` (or null) is added as the tile is stored. The chunk's `lead_every` row tiles share the prefetch of the
 // panel's stream kLeadK k-rows ahead (one panel at a time: the stream runs on into the next panel as it lies): this
-// one, the chunk's `lead_phase`-th, prefetches the k-rows k with k % lead_every == lead_phase, so that the stream is
+// one, the chunk's `tile_index`-th, prefetches the k-rows k with k % lead_every == tile_index, so that the stream is
 // asked for at an even pace while all of them pass over the chunk. Until 2026-12-02 the first tile prefetched all
 // of them: on an AMD Zen 2 (family 23 model 49), W1's 32 body GEMMs (weights cold, 2 threads) then took 8-10% longer
 // at 8-32 rows (21 rows: 8.7-9.3 ms against 7.9-8.4), the same at 1-4 and 64.
 template <int R, int P>
 inline void tile(const float* a, int64_t lda, const float* b, int64_t /*panel_stride*/, int64_t kc, float* c,
-                 int64_t ldc, bool first, const float* bias, int64_t lead_phase, int64_t lead_every) {
+                 int64_t ldc, bool first, const float* bias, int64_t tile_index, int64_t lead_every) {
   static_assert(P == 1, "an AVX2 tile spans one panel");
   __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;  // named: arrays of __m256 spill to the stack
 // OP(r, the row's two accumulators) for each of the tile's six rows (rows >= R compile to nothing).
@@ -148,7 +148,7 @@ inline void tile(const float* a, int64_t lda, const float* b, int64_t /*panel_st
     x1 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + 8); \
   }
   LORAPLEX_EACH_ROW(LORAPLEX_LOAD)
-  int64_t until_lead = lead_phase;  // steps of k until this tile's next lead prefetch
+  int64_t until_lead = tile_index;  // steps of k until this tile's next lead prefetch
   for (int64_t k = 0; k < kc; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(b + (k + 8) * kPanel), _MM_HINT_T0);
     if (lead_every == 1) {  // the chunk's one tile: every k-row (no countdown in the loop of a decode step's row)
@@ -192,22 +192,17 @@ template <int P>
 void panel_rows(const float* x, int64_t lda, int64_t k0, int64_t kc, int64_t K, const float* panel,
                 int64_t panel_stride, float* c, int64_t ldc, int64_t m, bool first, const float* bias) {
 #ifdef LORAPLEX_LINEAR_AVX512
-  const int64_t lead_wrap = K - k0 - kLeadK;  // the tiles' step of k from which the lead is past the panels' end
-  auto lead = [&](int64_t tile_index) { return std::pair<bool, int64_t>(tile_index == 0, lead_wrap); };
+  const int64_t lead = K - k0 - kLeadK;  // lead_wrap: the tiles' step of k from which the lead is past the panels' end
 #else
-  const int64_t tiles = (m + kRows - 1) / kRows;
-  auto lead = [&](int64_t tile_index) { return std::pair<int64_t, int64_t>(tile_index, tiles); };
+  const int64_t lead = (m + kRows - 1) / kRows;  // lead_every: the row tiles that share the lead
 #endif
   int64_t r = 0;
-  for (; r + kRows <= m; r += kRows) {
-    const auto [lead_a, lead_b] = lead(r / kRows);
-    tile<kRows, P>(x + r * lda + k0, lda, panel, panel_stride, kc, c + r * ldc, ldc, first, bias, lead_a, lead_b);
-  }
+  for (; r + kRows <= m; r += kRows)
+    tile<kRows, P>(x + r * lda + k0, lda, panel, panel_stride, kc, c + r * ldc, ldc, first, bias, r / kRows, lead);
   const float* a = x + r * lda + k0;
   float* c_tail = c + r * ldc;
-  const auto [lead_a, lead_b] = lead(r / kRows);
   loraplex::with_count<kRows - 1>(m - r, [&](auto rows) {
-    tile<rows(), P>(a, lda, panel, panel_stride, kc, c_tail, ldc, first, bias, lead_a, lead_b);
+    tile<rows(), P>(a, lda, panel, panel_stride, kc, c_tail, ldc, first, bias, r / kRows, lead);
   });
 }
 
