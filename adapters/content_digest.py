@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 import time
-from collections import OrderedDict
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
+
+from adapters.locked_lru import LockedLRU
 
 MAX_FILES = 4096  # weights files whose hash state is kept (about 300 bytes each), least recently used dropped
 RACY_S = 2.0  # a file changed this recently is hashed every time
@@ -47,34 +47,8 @@ def settled_identity(before: os.stat_result, after: os.stat_result) -> FileIdent
     return identity
 
 
-class _TensorHashes:
-    """FileIdentity -> the sha256 state after the tensors of that file; thread-safe, least recently used dropped."""
-
-    def __init__(self, max_files: int):
-        self.max_files = max_files
-        self._states: OrderedDict[FileIdentity, hashlib._Hash] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, identity: FileIdentity):
-        with self._lock:
-            state = self._states.get(identity)
-            if state is not None:
-                self._states.move_to_end(identity)
-                return state.copy()
-        return None
-
-    def put(self, identity: FileIdentity, state) -> None:
-        with self._lock:
-            self._states[identity] = state.copy()
-            self._states.move_to_end(identity)
-            while len(self._states) > self.max_files:
-                self._states.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._states)
-
-
-TENSOR_HASHES = _TensorHashes(MAX_FILES)
+# FileIdentity -> the sha256 state after the tensors of that file (copied in and out: a state is changed by use)
+TENSOR_HASHES: LockedLRU[FileIdentity, Any] = LockedLRU(MAX_FILES)
 
 
 def hash_tensors(tensors: dict[str, torch.Tensor]):
@@ -92,11 +66,13 @@ def content_digest(
 ) -> str:
     """The adapter's digest. `tensors` must be what the weights file `file` (when given) holds, read whole: its
     tensors' hash is then taken from the cache when that file was hashed before, and kept for next time."""
-    state = TENSOR_HASHES.get(file) if file is not None else None
-    if state is None:
+    kept = TENSOR_HASHES.get(file) if file is not None else None
+    if kept is not None:
+        state = kept.copy()
+    else:
         state = hash_tensors(tensors)
         if file is not None:
-            TENSOR_HASHES.put(file, state)
+            TENSOR_HASHES.put(file, state.copy())
     for key in sorted(scalings):
         state.update(f"scaling\0{key}\0{scalings[key]!r}\0".encode())
     return f"sha256:{state.hexdigest()}"

@@ -7,6 +7,7 @@ scaling, and agreement between the tensors and adapter_config.json.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -21,7 +22,14 @@ from safetensors.torch import load as load_safetensors
 
 from adapters.base_spec import MODULE_PARENTS, BaseModelSpec
 from adapters.content_digest import FileIdentity, content_digest, settled_identity
-from adapters.peft_config import AdapterConfig, AdapterError, read_adapter_config
+from adapters.file_layout import LAYOUTS, layout_key, layout_of
+from adapters.peft_config import (
+    CONFIG_NAME,
+    AdapterConfig,
+    AdapterError,
+    decode_adapter_config,
+    read_adapter_config_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +73,28 @@ def load_lora(
     label = name or str(path)
     if not directory.is_dir():
         raise AdapterError(f"adapter {label!r}: {path} is not a directory")
-    config = read_adapter_config(directory, label)
+    config_bytes = read_adapter_config_bytes(directory, label)
+    config = decode_adapter_config(config_bytes, directory / CONFIG_NAME, label)
     _check_base_name(config, spec, label)
-    stored, weights_file, payload = _read_tensors(directory, label, allow_pickle)
-    tensors, pairs, prefix = _pair_tensors(stored, spec, label)
-    _check_targets(config, set(pairs.values()), prefix, spec, label)
-    weights, largest = _checked_weights(tensors, pairs, config, max_lora_rank, label, payload)
+    data, weights_file = _read_safetensors_file(directory, label)
+    key = layout_key(spec, max_lora_rank, config_bytes, data) if data is not None else None
+    layout = LAYOUTS.get(key) if key is not None else None
+    read = layout.read(data) if layout is not None else None
+    if read is not None and math.isfinite(largest := _largest(read[2])):  # the checks passed for this layout before
+        tensors, weights, _ = read
+        pairs = layout.pairs
+    else:
+        stored, payload, pickle_file = _stored_tensors(directory, data, label, allow_pickle)
+        if data is None:
+            weights_file = pickle_file
+        tensors, pairs, prefix, renamed = _pair_tensors(stored, spec, label)
+        _check_targets(config, set(pairs.values()), prefix, spec, label)
+        weights, largest = _checked_weights(tensors, pairs, config, max_lora_rank, label, payload)
+        if payload is not None and key is not None:
+            scalings = {module: scaling for module, (_, _, scaling) in weights.items()}
+            kept = layout_of(data, _header(data), renamed, pairs, scalings, next(iter(stored.values())).dtype)
+            if kept is not None:
+                LAYOUTS.put(key, kept)
     return LoRAWeights(
         name=name if name is not None else directory.name,
         path=str(path),
@@ -85,18 +109,35 @@ def load_lora(
     )
 
 
-def _read_tensors(
-    directory: Path, label: str, allow_pickle: bool
-) -> tuple[dict[str, torch.Tensor], FileIdentity | None, np.ndarray | None]:
-    """Stored tensor name -> tensor, from the safetensors file, else (if allowed) the pickle; that file's identity
-    when it did not change while it was read (see adapters/content_digest.py); and every tensor's values in one
-    array where `_payload` can give it."""
+def _read_safetensors_file(directory: Path, label: str) -> tuple[bytes | None, FileIdentity | None]:
+    """The whole safetensors file (None where there is none) and its identity when it did not change while it was
+    read (see adapters/content_digest.py). One read: an adapter is small, and its hundreds of tensors tiny."""
+    path = directory / SAFETENSORS_NAME
+    if not path.is_file():
+        return None, None
+    try:
+        with open(path, "rb") as f:
+            before, data, after = os.fstat(f.fileno()), f.read(), os.fstat(f.fileno())
+    except OSError as e:
+        raise AdapterError(f"adapter {label!r}: cannot read {path}: {e}") from e
+    return data, settled_identity(before, after)
+
+
+def _header(data: bytes) -> dict:
+    """The parsed header of a safetensors file the library has read (so it is whole, and JSON)."""
+    return json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+
+
+def _stored_tensors(
+    directory: Path, data: bytes | None, label: str, allow_pickle: bool
+) -> tuple[dict[str, torch.Tensor], np.ndarray | None, FileIdentity | None]:
+    """Stored tensor name -> tensor, from the safetensors file's bytes `data`, else (if allowed) the pickle; every
+    tensor's values in one array where `_payload` can give it; the pickle's identity, when it was read and did not
+    change meanwhile."""
     safetensors_path, pickle_path = directory / SAFETENSORS_NAME, directory / PICKLE_NAME
-    payload = None
-    if safetensors_path.is_file():
-        try:  # one read of the whole file, then one parse: an adapter is small, and its hundreds of tensors tiny
-            with open(safetensors_path, "rb") as f:
-                before, data, after = os.fstat(f.fileno()), f.read(), os.fstat(f.fileno())
+    payload = pickle_file = None
+    if data is not None:
+        try:
             stored = dict(sorted(load_safetensors(data).items()))  # by name, as safe_open
             payload = _payload(data, stored)
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
@@ -111,7 +152,7 @@ def _read_tensors(
             with open(pickle_path, "rb") as f:
                 before = os.fstat(f.fileno())
                 stored = torch.load(f, map_location="cpu", weights_only=True)
-                after = os.fstat(f.fileno())
+                pickle_file = settled_identity(before, os.fstat(f.fileno()))
         except Exception as e:  # a pickle fails in many ways; each one means the same: a bad file
             raise AdapterError(f"adapter {label!r}: cannot read {pickle_path}: {e}") from e
         if not isinstance(stored, dict) or not all(
@@ -122,7 +163,7 @@ def _read_tensors(
         raise AdapterError(f"adapter {label!r}: no weights file ({SAFETENSORS_NAME}) in {directory}")
     if not stored:
         raise AdapterError(f"adapter {label!r}: the weights file holds no tensors")
-    return stored, settled_identity(before, after), payload
+    return stored, payload, pickle_file
 
 
 def _payload(data: bytes, stored: dict[str, torch.Tensor]) -> np.ndarray | None:
@@ -144,9 +185,11 @@ def _payload(data: bytes, stored: dict[str, torch.Tensor]) -> np.ndarray | None:
 
 def _pair_tensors(
     stored: dict[str, torch.Tensor], spec: BaseModelSpec, label: str
-) -> tuple[dict[str, torch.Tensor], dict[tuple[int, str], str], str]:
-    """Tensors renamed to `<module key>.lora_A|B`; (layer, module) -> module key; the keys' prefix ("model.")."""
+) -> tuple[dict[str, torch.Tensor], dict[tuple[int, str], str], str, dict[str, str]]:
+    """Tensors renamed to `<module key>.lora_A|B`; (layer, module) -> module key; the keys' prefix ("model."); stored
+    name -> new name."""
     tensors: dict[str, torch.Tensor] = {}
+    renamed: dict[str, str] = {}
     pairs: dict[tuple[int, str], str] = {}
     halves: dict[str, set[str]] = {}
     prefixes = set()
@@ -159,6 +202,7 @@ def _pair_tensors(
         if name in tensors:
             raise AdapterError(f"adapter {label!r}: tensor {name} is stored twice (with and without '.default')")
         tensors[name] = tensor
+        renamed[stored_name] = name
         if match["module"] not in spec.module_shapes:
             known = ", ".join(spec.module_shapes)
             raise AdapterError(
@@ -181,7 +225,7 @@ def _pair_tensors(
             raise AdapterError(f"adapter {label!r}: {key} has {found.pop()} but no {missing}")
     if len(set(pairs.values())) != len(pairs) or len(prefixes) != 1:
         raise AdapterError(f"adapter {label!r}: tensor names do not follow one layout: {sorted(stored)[:4]} ...")
-    return tensors, pairs, prefixes.pop()
+    return tensors, pairs, prefixes.pop(), renamed
 
 
 def _check_shape(name: str, t: torch.Tensor, module: str, ab: str, spec: BaseModelSpec, label: str) -> None:

@@ -105,12 +105,26 @@ def _pattern_value(patterns: dict[str, Any], key: str, default: Any) -> Any:
 
 def read_adapter_config(directory: str | Path, adapter: str) -> AdapterConfig:
     """Reads `directory/adapter_config.json`; `adapter` names the adapter in error messages."""
+    raw = read_adapter_config_bytes(directory, adapter)
+    return decode_adapter_config(raw, Path(directory) / CONFIG_NAME, adapter)
+
+
+def read_adapter_config_bytes(directory: str | Path, adapter: str) -> bytes:
+    """The bytes of `directory/adapter_config.json`, as `decode_adapter_config` takes them."""
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
         raise AdapterError(f"adapter {adapter!r}: no {CONFIG_NAME} in {directory}")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return path.read_bytes()
+    except OSError as e:
+        raise AdapterError(f"adapter {adapter!r}: {path} is not valid JSON: {e}") from e
+
+
+def decode_adapter_config(raw: bytes, path: Path, adapter: str) -> AdapterConfig:
+    """The config in `raw`, the bytes of the adapter_config.json at `path`."""
+    try:
+        data = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise AdapterError(f"adapter {adapter!r}: {path} is not valid JSON: {e}") from e
     return parse_adapter_config(data, adapter)
 

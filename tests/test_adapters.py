@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from adapters import AdapterError, BaseModelSpec, load_lora, lora_weights
 from adapters import content_digest as digests
+from adapters.locked_lru import LockedLRU
 from adapters.lora_weights import magnitudes
 from tests.hf_models import make_adapter, make_model
 
@@ -153,7 +154,7 @@ SETTLE_S = 0.05  # the racy window the tests use: longer than a tick of the kern
 def hashed(monkeypatch):
     """Counts the tensor hashes done; the racy window shortened to SETTLE_S, the cache emptied."""
     monkeypatch.setattr(digests, "RACY_S", SETTLE_S)
-    monkeypatch.setattr(digests, "TENSOR_HASHES", digests._TensorHashes(digests.MAX_FILES))
+    monkeypatch.setattr(digests, "TENSOR_HASHES", LockedLRU(digests.MAX_FILES))
     calls = []
     hash_tensors = digests.hash_tensors
 
