@@ -8,7 +8,8 @@ and config on the same base model and max_lora_rank, so once a file has passed t
 keyed by a digest of those bytes, and the next such file skips them: its tensors are views of its values at the
 offsets the layout holds. The values are still checked on every read (finite, and their largest magnitude), and a
 file whose values fail goes the whole way again, so its error names the tensor. W1's rank-8 adapter on all modules
-(112 tensors), one thread: ~0.3 ms of `load_lora` where the checks and the safetensors parse took ~2 ms.
+(112 tensors), one thread, on a Xeon with AMX (family 6 model 167, 2026-12-02): `load_lora` 0.93 ms where the checks
+and the safetensors parse made it 2.06, a read into host rows (`AdapterCache.read`) 1.7 ms against 2.9.
 """
 
 from __future__ import annotations
