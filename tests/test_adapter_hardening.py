@@ -25,16 +25,6 @@ QV = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 Q_PROJ_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory, tokenizer):
-    return make_model(tmp_path_factory.mktemp("base"), tokenizer)  # hidden 64, 2 layers
-
-
-@pytest.fixture(scope="module")
-def spec(base):
-    return BaseModelSpec.from_hf_config(base.config)
-
-
 def make_cache(spec: BaseModelSpec, dtype: torch.dtype = torch.float32) -> AdapterCache:
     return AdapterCache(spec, lora_targets, 2, 4, 8, torch.device("cpu"), dtype)
 

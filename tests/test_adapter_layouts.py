@@ -15,20 +15,10 @@ from safetensors.torch import load_file, save_file
 
 from adapters import AdapterError, BaseModelSpec, file_layout, load_lora
 from adapters.locked_lru import LockedLRU
-from tests.hf_models import make_adapter, make_model
+from tests.hf_models import make_adapter
 
 MAX_RANK = 16
 WEIGHTS = "adapter_model.safetensors"
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory, tokenizer):
-    return make_model(tmp_path_factory.mktemp("base"), tokenizer)
-
-
-@pytest.fixture(scope="module")
-def spec(base):
-    return BaseModelSpec.from_hf_config(base.config)
 
 
 @pytest.fixture

@@ -27,16 +27,6 @@ from tests.hf_models import make_adapter, make_model
 MAX_RANK = 16
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory, tokenizer):
-    return make_model(tmp_path_factory.mktemp("base"), tokenizer)
-
-
-@pytest.fixture(scope="module")
-def spec(base):
-    return BaseModelSpec.from_hf_config(base.config)
-
-
 def edit_config(directory: Path, **changes) -> None:
     path = directory / "adapter_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
