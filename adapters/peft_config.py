@@ -117,7 +117,7 @@ def read_adapter_config_bytes(directory: str | Path, adapter: str) -> bytes:
     try:
         return path.read_bytes()
     except OSError as e:
-        raise AdapterError(f"adapter {adapter!r}: {path} is not valid JSON: {e}") from e
+        raise AdapterError(f"adapter {adapter!r}: cannot read {path}: {e}") from e
 
 
 def decode_adapter_config(raw: bytes, path: Path, adapter: str) -> AdapterConfig:
