@@ -42,7 +42,11 @@ class AdapterLayout:
     shapes: tuple[tuple[int, ...], ...]
     # ((layer, module), its module key, the index of its A and of its B in `names`, its scaling), in module order
     modules: tuple[tuple[tuple[int, str], str, int, int, float], ...]
-    pairs: dict[tuple[int, str], str]  # (layer, module) -> module key, as load_lora's checks paired them
+
+    @property
+    def pairs(self) -> dict[tuple[int, str], str]:
+        """(layer, module) -> module key, as load_lora's checks paired them."""
+        return {module: key for module, key, _, _, _ in self.modules}
 
     def read(self, data: bytes) -> tuple[dict[str, torch.Tensor], dict, np.ndarray] | None:
         """(name -> stored tensor; (layer, module) -> (A, B as fp32, scaling); the payload as one array), all views
@@ -56,13 +60,18 @@ class AdapterLayout:
         return dict(zip(self.names, views, strict=True)), weights, stored.numpy()
 
 
+def payload_start(data: bytes) -> int:
+    """Where the values of the safetensors file `data` begin: after its 8-byte header length and its header."""
+    return 8 + int.from_bytes(data[:8], "little")
+
+
 def layout_key(spec: BaseModelSpec, max_lora_rank: int, config_bytes: bytes, data: bytes) -> LayoutKey | None:
     """The key of the file `data` (a safetensors file, read whole) with its config: the base model's shape, the rank
     limit and a digest of the config and the header; None when `data` has no whole header."""
-    if len(data) < 8 or len(data) < 8 + (header_size := int.from_bytes(data[:8], "little")):
+    if len(data) < 8 or len(data) < (start := payload_start(data)):
         return None
     digest = hashlib.blake2b(config_bytes, digest_size=16)
-    digest.update(data[: 8 + header_size])
+    digest.update(data[:start])
     shapes = (spec.num_layers, tuple(sorted(spec.module_shapes.items())))
     return (max_lora_rank, shapes, len(config_bytes), digest.digest())
 
@@ -82,13 +91,14 @@ def layout_of(
     names, sizes, shapes, end = [], [], [], 0
     for (begin, stop), stored_name in entries:
         shape = tuple(header[stored_name]["shape"])
-        if begin != end or math.prod(shape) * itemsize != stop - begin:
+        size = math.prod(shape)
+        if begin != end or size * itemsize != stop - begin:
             return None
         names.append(renamed[stored_name])
-        sizes.append(math.prod(shape))
+        sizes.append(size)
         shapes.append(shape)
         end = stop
-    if 8 + int.from_bytes(data[:8], "little") + end != len(data):
+    if payload_start(data) + end != len(data):
         return None
     index = {name: i for i, name in enumerate(names)}
     modules = tuple(
@@ -103,7 +113,6 @@ def layout_of(
         sizes=tuple(sizes),
         shapes=tuple(shapes),
         modules=modules,
-        pairs=dict(sorted(pairs.items())),
     )
 
 

@@ -22,7 +22,7 @@ from safetensors.torch import load as load_safetensors
 
 from adapters.base_spec import MODULE_PARENTS, BaseModelSpec
 from adapters.content_digest import FileIdentity, content_digest, settled_identity
-from adapters.file_layout import LAYOUTS, layout_key, layout_of
+from adapters.file_layout import LAYOUTS, layout_key, layout_of, payload_start
 from adapters.peft_config import (
     CONFIG_NAME,
     AdapterConfig,
@@ -125,7 +125,7 @@ def _read_safetensors_file(directory: Path, label: str) -> tuple[bytes | None, F
 
 def _header(data: bytes) -> dict:
     """The parsed header of a safetensors file the library has read (so it is whole, and JSON)."""
-    return json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    return json.loads(data[8 : payload_start(data)])
 
 
 def _stored_tensors(
@@ -176,7 +176,7 @@ def _payload(data: bytes, stored: dict[str, torch.Tensor]) -> np.ndarray | None:
     dtype = PAYLOAD_DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
     if dtype is None:  # (the library has parsed `data`: it holds the 8 bytes of its header's length)
         return None
-    start = 8 + int.from_bytes(data[:8], "little")
+    start = payload_start(data)
     size, extra = divmod(len(data) - start, dtype.itemsize)
     if extra or size != sum(t.numel() for t in stored.values()):
         return None

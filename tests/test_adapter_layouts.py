@@ -125,7 +125,7 @@ def test_another_config_is_read_the_whole_way(base, spec, tmp_path, layouts, mon
         load_lora(tmp_path / "b", spec, MAX_RANK)
 
 
-def test_a_lower_rank_limit_or_another_base_model_is_checked_again(base, spec, tmp_path, layouts, tokenizer):
+def test_a_lower_rank_limit_or_another_base_model_is_checked_again(base, spec, tmp_path, layouts):
     make_adapter(base, tmp_path / "a", seed=1, r=8)
     make_adapter(base, tmp_path / "b", seed=2, r=8)
     load_lora(tmp_path / "a", spec, MAX_RANK)
