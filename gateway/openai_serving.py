@@ -9,7 +9,7 @@ response starts.
 from __future__ import annotations
 
 import copy
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -174,6 +174,20 @@ class OpenAIServing:
         return choices
 
     @staticmethod
+    def _whole_response(
+        head: dict, generation: Generation, choices: dict[int, _Choice], content: Callable[[_Choice], dict]
+    ) -> JSONResponse:
+        """A response that is not streamed: `head`, each choice's `content` (its text and logprobs, as the
+        endpoint writes them) between its index and finish reason, and the usage."""
+        body = [
+            {"index": index, **content(c), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            for index, c in sorted(choices.items())
+        ]
+        return JSONResponse(
+            {**head, "choices": body, "usage": generation.usage.to_dict()}, headers=load_headers(generation)
+        )
+
+    @staticmethod
     def _stream_response(chunks: AsyncIterator[str], generation: Generation) -> StreamingResponse:
         headers = {"Cache-Control": "no-cache", **load_headers(generation)}  # known: the stream was primed
         return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
@@ -209,24 +223,14 @@ class OpenAIServing:
             stream = await self._primed(generation)
             return self._stream_response(self._completion_chunks(stream, generation, head, body), generation)
         choices = await until_disconnect(raw, self._run(generation, body.n))
-        return JSONResponse(
-            {
-                **head,
-                "choices": [
-                    {
-                        "index": index,
-                        "text": c.text,
-                        "logprobs": completion_logprobs(c.logprobs, self.token_text)
-                        if c.logprobs is not None
-                        else None,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                    for index, c in sorted(choices.items())
-                ],
-                "usage": generation.usage.to_dict(),
+        return self._whole_response(
+            head,
+            generation,
+            choices,
+            lambda c: {
+                "text": c.text,
+                "logprobs": completion_logprobs(c.logprobs, self.token_text) if c.logprobs is not None else None,
             },
-            headers=load_headers(generation),
         )
 
     async def _completion_chunks(self, primed: Primed, generation: Generation, head: dict, body: CompletionRequest):
@@ -296,25 +300,15 @@ class OpenAIServing:
             stream = await self._primed(generation)
             return self._stream_response(self._chat_chunks(stream, generation, head, body), generation)
         choices = await until_disconnect(raw, self._run(generation, body.n))
-        return JSONResponse(
-            {
-                "id": request_id,
-                "object": "chat.completion",
-                "created": now(),
-                "model": choice.model,
-                "choices": [
-                    {
-                        "index": index,
-                        "message": {"role": "assistant", "content": c.text},
-                        "logprobs": chat_logprobs(c.logprobs, self.token_text) if c.logprobs is not None else None,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                    for index, c in sorted(choices.items())
-                ],
-                "usage": generation.usage.to_dict(),
+        head = {"id": request_id, "object": "chat.completion", "created": now(), "model": choice.model}
+        return self._whole_response(
+            head,
+            generation,
+            choices,
+            lambda c: {
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c.logprobs, self.token_text) if c.logprobs is not None else None,
             },
-            headers=load_headers(generation),
         )
 
     async def _chat_chunks(self, primed: Primed, generation: Generation, head: dict, body: ChatCompletionRequest):
