@@ -28,6 +28,9 @@ class LoRASelection(BaseModel):
     lora_path: str | None = None  # accepted for compatibility; the registry decides the path
 
 
+CONSTRAINED_DECODING_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 class SamplingFields(RequestModel):
     """The sampling knobs shared by completions and chat."""
 
@@ -55,10 +58,30 @@ class SamplingFields(RequestModel):
     skip_special_tokens: bool = True
     lora_request: LoRASelection | None = None  # TensorRT-LLM's form; `model` then names the base
     stream_interval: int | None = None  # steps per streamed chunk after the first (the server's, if larger)
+    # Asked for, refused: each changes what the output must be, so ignoring it would break the caller's contract.
+    response_format: dict[str, Any] | None = None  # OpenAI's structured outputs; {"type": "text"} is the default
+    structured_outputs: Any = None  # vLLM's constrained decoding, and its older guided_* fields
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = None
 
     def _unsupported(self) -> None:
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            kind = self.response_format.get("type")
+            message = f"response_format of type {kind!r} is not supported (no constrained decoding)"
+            raise APIError(400, message, param="response_format")
+        for name in CONSTRAINED_DECODING_FIELDS:
+            if getattr(self, name) is not None:
+                raise APIError(400, f"{name} is not supported (no constrained decoding)", param=name)
+        if self.use_beam_search:
+            raise APIError(400, "use_beam_search is not supported (sampling only)", param="use_beam_search")
+        if self.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not supported", param="prompt_logprobs")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises a 400 naming the parameter when a value is out of range."""
@@ -148,6 +171,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict] | None = None  # the legacy form of tools
+    function_call: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None  # vLLM's per-request override
     chat_template_kwargs: dict[str, Any] | None = None
@@ -156,6 +182,11 @@ class ChatCompletionRequest(SamplingFields):
         super()._unsupported()
         if self.tools:
             raise APIError(400, "tools are not supported", param="tools")
+        if self.functions:
+            raise APIError(400, "functions are not supported", param="functions")
+        for name in ("tool_choice", "function_call"):  # "none" (or "auto", with nothing to call) asks for text
+            if getattr(self, name) not in (None, "none", "auto"):
+                raise APIError(400, f"{name} {getattr(self, name)!r} is not supported (no tool calls)", param=name)
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
 

@@ -60,6 +60,13 @@ CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 
         ({"model": "sql", "prompt": "x", "stop": [""]}, 400, "stop", ""),
         ({"model": "sql", "prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
         ({"model": "sql", "prompt": "x", "echo": True}, 400, "echo", ""),
+        ({"model": "sql", "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format", "json"),
+        ({"model": "sql", "prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json", "not supported"),
+        ({"model": "sql", "prompt": "x", "guided_choice": ["a", "b"]}, 400, "guided_choice", "not supported"),
+        ({"model": "sql", "prompt": "x", "guided_regex": "a+"}, 400, "guided_regex", "not supported"),
+        ({"model": "sql", "prompt": "x", "structured_outputs": {"regex": "a"}}, 400, "structured_outputs", ""),
+        ({"model": "sql", "prompt": "x", "use_beam_search": True}, 400, "use_beam_search", "not supported"),
+        ({"model": "sql", "prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
         ({"model": "sql", "prompt": "x " * 80}, 400, "prompt", "maximum context length is 64 tokens"),
         ({"model": "sql", "prompt": "x", "max_tokens": 100}, 400, "max_tokens", "maximum context length"),
         ({"model": "sql", "prompt": ""}, 400, "prompt", "empty"),
@@ -81,6 +88,16 @@ def test_completions_errors(http, body, status, param, text):
         ({"model": "sql", "messages": []}, 400, "messages", ""),
         ({"model": "sql", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role", ""),
         ({**CHAT, "model": "sql", "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+        ({**CHAT, "model": "sql", "tool_choice": "required"}, 400, "tool_choice", "not supported"),
+        ({**CHAT, "model": "sql", "functions": [{"name": "f"}]}, 400, "functions", "not supported"),
+        ({**CHAT, "model": "sql", "function_call": {"name": "f"}}, 400, "function_call", "not supported"),
+        (
+            {**CHAT, "model": "sql", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            400,
+            "response_format",
+            "json_schema",
+        ),
+        ({**CHAT, "model": "sql", "guided_grammar": "root ::= 'a'"}, 400, "guided_grammar", "not supported"),
         ({**CHAT, "model": "sql", "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
         (
             {"model": "sql", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
@@ -95,6 +112,16 @@ def test_completions_errors(http, body, status, param, text):
 def test_chat_errors(http, body, status, param, text):
     assert_openai_error(http.post("/v1/chat/completions", json=body), status, param, text)
     assert_still_serving(http)
+
+
+def test_the_defaults_of_the_refused_fields_are_served(http):
+    """What asks for plain text (a "text" response_format, tool_choice "none" or "auto" with no tools, no beam
+    search) is the default behaviour, so it is served, not refused."""
+    chat = {**CHAT, "model": "sql", "response_format": {"type": "text"}, "tool_choice": "auto"}
+    assert http.post("/v1/chat/completions", json=chat).status_code == 200
+    assert http.post("/v1/chat/completions", json={**chat, "tool_choice": "none"}).status_code == 200
+    completion = {"model": "sql", "prompt": "x", "max_tokens": 2, "use_beam_search": False, "prompt_logprobs": None}
+    assert http.post("/v1/completions", json={**completion, "response_format": {"type": "text"}}).status_code == 200
 
 
 def test_malformed_json_and_unknown_routes(http):
