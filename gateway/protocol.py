@@ -28,13 +28,50 @@ class LoRASelection(BaseModel):
     lora_path: str | None = None  # accepted for compatibility; the registry decides the path
 
 
-CONSTRAINED_DECODING_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# Fields that ask for output this server does not make: each is refused with a 400 naming it unless it holds the
+# value that asks for what is served anyway (None and [] always do). Ignoring one would break the caller's contract.
+# field -> (the value that means "as served", why it is refused)
+REFUSED_UNLESS: dict[str, tuple[Any, str]] = {
+    "structured_outputs": (None, "no constrained decoding"),  # vLLM's, and its older guided_* fields
+    "guided_json": (None, "no constrained decoding"),
+    "guided_regex": (None, "no constrained decoding"),
+    "guided_choice": (None, "no constrained decoding"),
+    "guided_grammar": (None, "no constrained decoding"),
+    "use_beam_search": (False, "sampling only"),
+    "prompt_logprobs": (None, "logprobs of generated tokens only"),
+    "include_stop_str_in_output": (False, "the stop string is never part of the text"),
+    "bad_words": (None, "no banned words"),
+    "allowed_token_ids": (None, "no allowed-token lists"),
+    "logits_processors": (None, "no per-request logits processors"),
+    "truncate_prompt_tokens": (None, "a prompt over the limit is refused, never truncated"),
+}
+CHAT_REFUSED_UNLESS: dict[str, tuple[Any, str]] = {
+    **REFUSED_UNLESS,
+    "echo": (False, "the reply holds the new message only"),
+    "continue_final_message": (False, "the reply is a new message"),
+    "add_special_tokens": (False, "the chat template writes the special tokens"),
+}
+COMPLETION_REFUSED_UNLESS: dict[str, tuple[Any, str]] = {
+    **REFUSED_UNLESS,
+    "add_special_tokens": (True, "the tokenizer's special tokens are always added"),
+}
+
+
+def refuse_unsupported(body: BaseModel, refused: dict[str, tuple[Any, str]]) -> None:
+    """A 400 naming the first field of `refused` that the body sets to a value other than its served one (read from
+    the body's extra fields: none of them is a field of the model)."""
+    extra = body.model_extra or {}
+    for name, (served, why) in refused.items():
+        value = extra.get(name)
+        if value is not None and value != [] and value != served:
+            raise APIError(400, f"{name} is not supported ({why})", param=name)
 
 
 class SamplingFields(RequestModel):
-    """The sampling knobs shared by completions and chat."""
+    """The sampling knobs shared by completions and chat. Other fields are kept as extras, so that those asking for
+    output this server does not make are refused (REFUSED_UNLESS) and the rest are ignored."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     n: int = 1
@@ -58,15 +95,7 @@ class SamplingFields(RequestModel):
     skip_special_tokens: bool = True
     lora_request: LoRASelection | None = None  # TensorRT-LLM's form; `model` then names the base
     stream_interval: int | None = None  # steps per streamed chunk after the first (the server's, if larger)
-    # Asked for, refused: each changes what the output must be, so ignoring it would break the caller's contract.
-    response_format: dict[str, Any] | None = None  # OpenAI's structured outputs; {"type": "text"} is the default
-    structured_outputs: Any = None  # vLLM's constrained decoding, and its older guided_* fields
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    use_beam_search: bool = False
-    prompt_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None  # OpenAI's structured outputs; {"type": "text"} is served
 
     def _unsupported(self) -> None:
         if self.logit_bias:
@@ -75,13 +104,6 @@ class SamplingFields(RequestModel):
             kind = self.response_format.get("type")
             message = f"response_format of type {kind!r} is not supported (no constrained decoding)"
             raise APIError(400, message, param="response_format")
-        for name in CONSTRAINED_DECODING_FIELDS:
-            if getattr(self, name) is not None:
-                raise APIError(400, f"{name} is not supported (no constrained decoding)", param=name)
-        if self.use_beam_search:
-            raise APIError(400, "use_beam_search is not supported (sampling only)", param="use_beam_search")
-        if self.prompt_logprobs is not None:
-            raise APIError(400, "prompt_logprobs is not supported", param="prompt_logprobs")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises a 400 naming the parameter when a value is out of range."""
@@ -137,6 +159,7 @@ class CompletionRequest(SamplingFields):
             raise APIError(400, "echo is not supported", param="echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
+        refuse_unsupported(self, COMPLETION_REFUSED_UNLESS)
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of must equal n (beam-free sampling)", param="best_of")
 
@@ -184,6 +207,7 @@ class ChatCompletionRequest(SamplingFields):
             raise APIError(400, "tools are not supported", param="tools")
         if self.functions:
             raise APIError(400, "functions are not supported", param="functions")
+        refuse_unsupported(self, CHAT_REFUSED_UNLESS)
         for name in ("tool_choice", "function_call"):  # "none" (or "auto", with nothing to call) asks for text
             if getattr(self, name) not in (None, "none", "auto"):
                 raise APIError(400, f"{name} {getattr(self, name)!r} is not supported (no tool calls)", param=name)

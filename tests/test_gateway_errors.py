@@ -67,6 +67,11 @@ CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 
         ({"model": "sql", "prompt": "x", "structured_outputs": {"regex": "a"}}, 400, "structured_outputs", ""),
         ({"model": "sql", "prompt": "x", "use_beam_search": True}, 400, "use_beam_search", "not supported"),
         ({"model": "sql", "prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
+        ({"model": "sql", "prompt": "x", "include_stop_str_in_output": True}, 400, "include_stop_str_in_output", ""),
+        ({"model": "sql", "prompt": "x", "bad_words": ["no"]}, 400, "bad_words", "not supported"),
+        ({"model": "sql", "prompt": "x", "allowed_token_ids": [5, 6]}, 400, "allowed_token_ids", "not supported"),
+        ({"model": "sql", "prompt": "x", "truncate_prompt_tokens": 8}, 400, "truncate_prompt_tokens", "truncated"),
+        ({"model": "sql", "prompt": "x", "add_special_tokens": False}, 400, "add_special_tokens", "always added"),
         ({"model": "sql", "prompt": "x " * 80}, 400, "prompt", "maximum context length is 64 tokens"),
         ({"model": "sql", "prompt": "x", "max_tokens": 100}, 400, "max_tokens", "maximum context length"),
         ({"model": "sql", "prompt": ""}, 400, "prompt", "empty"),
@@ -98,6 +103,9 @@ def test_completions_errors(http, body, status, param, text):
             "json_schema",
         ),
         ({**CHAT, "model": "sql", "guided_grammar": "root ::= 'a'"}, 400, "guided_grammar", "not supported"),
+        ({**CHAT, "model": "sql", "echo": True}, 400, "echo", "new message only"),
+        ({**CHAT, "model": "sql", "continue_final_message": True}, 400, "continue_final_message", ""),
+        ({**CHAT, "model": "sql", "add_special_tokens": True}, 400, "add_special_tokens", "chat template"),
         ({**CHAT, "model": "sql", "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
         (
             {"model": "sql", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
@@ -115,13 +123,15 @@ def test_chat_errors(http, body, status, param, text):
 
 
 def test_the_defaults_of_the_refused_fields_are_served(http):
-    """What asks for plain text (a "text" response_format, tool_choice "none" or "auto" with no tools, no beam
-    search) is the default behaviour, so it is served, not refused."""
-    chat = {**CHAT, "model": "sql", "response_format": {"type": "text"}, "tool_choice": "auto"}
+    """A refused field holding the value that asks for what is served anyway (a "text" response_format, tool_choice
+    "none" or "auto" with no tools, no beam search, an empty bad_words, the endpoint's own add_special_tokens) is
+    served, not refused; and so is a field this server does not know."""
+    served = {"response_format": {"type": "text"}, "use_beam_search": False, "bad_words": [], "prompt_logprobs": None}
+    chat = {**CHAT, **served, "model": "sql", "tool_choice": "auto", "echo": False, "add_special_tokens": False}
     assert http.post("/v1/chat/completions", json=chat).status_code == 200
     assert http.post("/v1/chat/completions", json={**chat, "tool_choice": "none"}).status_code == 200
-    completion = {"model": "sql", "prompt": "x", "max_tokens": 2, "use_beam_search": False, "prompt_logprobs": None}
-    assert http.post("/v1/completions", json={**completion, "response_format": {"type": "text"}}).status_code == 200
+    completion = {**served, "model": "sql", "prompt": "x", "max_tokens": 2, "add_special_tokens": True}
+    assert http.post("/v1/completions", json={**completion, "some_future_field": 1}).status_code == 200
 
 
 def test_malformed_json_and_unknown_routes(http):
