@@ -72,6 +72,8 @@ class SamplingParams:
             raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
         if self.stream_interval is not None and self.stream_interval < 1:

@@ -214,6 +214,15 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
 
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """As SamplingFields', a range error of the logprobs count naming top_logprobs, the field chat sets it by."""
+        try:
+            return super().sampling_params(max_tokens, logprobs)
+        except APIError as e:
+            if e.param != "logprobs":
+                raise
+            raise APIError(400, e.message.replace("'logprobs'", "'top_logprobs'"), param="top_logprobs") from None
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -57,6 +57,7 @@ CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 
         ({"model": "sql", "prompt": "x", "max_tokens": 0}, 400, "max_tokens", ""),
         ({"model": "sql", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "integer"),
         ({"model": "sql", "prompt": "x", "logprobs": 50}, 400, "logprobs", ""),
+        ({"model": "sql", "prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens", "at most max_tokens"),
         ({"model": "sql", "prompt": "x", "stop": [""]}, 400, "stop", ""),
         ({"model": "sql", "prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
         ({"model": "sql", "prompt": "x", "echo": True}, 400, "echo", ""),
@@ -107,6 +108,8 @@ def test_completions_errors(http, body, status, param, text):
         ({**CHAT, "model": "sql", "continue_final_message": True}, 400, "continue_final_message", ""),
         ({**CHAT, "model": "sql", "add_special_tokens": True}, 400, "add_special_tokens", "chat template"),
         ({**CHAT, "model": "sql", "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
+        ({**CHAT, "model": "sql", "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs", "[0, 20], got 30"),
+        ({**CHAT, "model": "sql", "min_tokens": 5}, 400, "min_tokens", "at most max_tokens (3)"),
         (
             {"model": "sql", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             400,

@@ -323,3 +323,10 @@ def test_finite_rows_flags_exactly_the_rows_holding_nan_or_inf_even_when_a_finit
     logits[5, :] = 3e38  # finite values whose float32 sum overflows to inf: still a finite row
     assert finite_rows(logits).tolist() == [True, False, False, False, False, True]
     assert finite_rows(logits[:1]).tolist() == [True]
+
+
+def test_min_tokens_over_max_tokens_is_refused_naming_min_tokens():
+    with pytest.raises(ValueError, match=r"^invalid sampling parameter 'min_tokens': must be at most max_tokens \(2\)"):
+        SamplingParams(max_tokens=2, min_tokens=3)
+    assert SamplingParams(max_tokens=3, min_tokens=3).min_tokens == 3
+    assert SamplingParams(max_tokens=None, min_tokens=100).min_tokens == 100  # up to the context: checked later
