@@ -66,8 +66,11 @@ def model_not_found(model: str) -> APIError:
 
 
 def _field(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
-    return ".".join(parts) or None
+    """The field a validation error's location names: without its source ("body", "query", "path", ...), which
+    only the first element is (a body field may itself be called `path`)."""
+    if loc and loc[0] in ("body", "query", "path", "header", "cookie"):
+        loc = loc[1:]
+    return ".".join(str(p) for p in loc) or None
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -152,6 +152,10 @@ def test_paths_outside_the_allowed_roots_are_refused(http, tiny, tmp_path):
     assert_openai_error(http.post("/admin/adapters", headers=ADMIN, json={"name": "a b", "path": "x"}), 422, "name")
     unknown_owner = {"name": "owned", "path": adapters["extra"], "owner": "nobody"}
     assert_openai_error(http.post("/admin/adapters", headers=ADMIN, json=unknown_owner), 422, "owner")
+    # a body field called `path` is named, not taken for the request's path
+    no_path = http.post("/admin/adapters", headers=ADMIN, json={"name": "nopath"})
+    assert_openai_error(no_path, 400, "path", "invalid value for 'path': field required")
+    assert_openai_error(http.post("/admin/adapters", headers=ADMIN, json={"path": "x"}), 400, "name", "required")
     assert_still_serving(http)
 
 
