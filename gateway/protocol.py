@@ -28,42 +28,45 @@ class LoRASelection(BaseModel):
     lora_path: str | None = None  # accepted for compatibility; the registry decides the path
 
 
-# Fields that ask for output this server does not make: each is refused with a 400 naming it unless it holds the
-# value that asks for what is served anyway (None and [] always do). Ignoring one would break the caller's contract.
-# field -> (the value that means "as served", why it is refused)
-REFUSED_UNLESS: dict[str, tuple[Any, str]] = {
-    "structured_outputs": (None, "no constrained decoding"),  # vLLM's, and its older guided_* fields
-    "guided_json": (None, "no constrained decoding"),
-    "guided_regex": (None, "no constrained decoding"),
-    "guided_choice": (None, "no constrained decoding"),
-    "guided_grammar": (None, "no constrained decoding"),
-    "use_beam_search": (False, "sampling only"),
-    "prompt_logprobs": (None, "logprobs of generated tokens only"),
-    "include_stop_str_in_output": (False, "the stop string is never part of the text"),
-    "bad_words": (None, "no banned words"),
-    "allowed_token_ids": (None, "no allowed-token lists"),
-    "logits_processors": (None, "no per-request logits processors"),
-    "truncate_prompt_tokens": (None, "a prompt over the limit is refused, never truncated"),
+# Fields that ask for output this server does not make: each is refused with a 400 naming it unless it is None, []
+# or one of the values that ask for what is served anyway. Ignoring one would break the caller's contract.
+# field -> (the values that mean "as served", why it is refused)
+REFUSED_UNLESS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "structured_outputs": ((), "no constrained decoding"),  # vLLM's, and its older guided_* fields
+    "guided_json": ((), "no constrained decoding"),
+    "guided_regex": ((), "no constrained decoding"),
+    "guided_choice": ((), "no constrained decoding"),
+    "guided_grammar": ((), "no constrained decoding"),
+    "use_beam_search": ((False,), "sampling only"),
+    "prompt_logprobs": ((), "logprobs of generated tokens only"),
+    "include_stop_str_in_output": ((False,), "the stop string is never part of the text"),
+    "bad_words": ((), "no banned words"),
+    "allowed_token_ids": ((), "no allowed-token lists"),
+    "logits_processors": ((), "no per-request logits processors"),
+    "truncate_prompt_tokens": ((), "a prompt over the limit is refused, never truncated"),
 }
-CHAT_REFUSED_UNLESS: dict[str, tuple[Any, str]] = {
+CHAT_REFUSED_UNLESS: dict[str, tuple[tuple[Any, ...], str]] = {
     **REFUSED_UNLESS,
-    "echo": (False, "the reply holds the new message only"),
-    "continue_final_message": (False, "the reply is a new message"),
-    "add_special_tokens": (False, "the chat template writes the special tokens"),
+    "functions": ((), "no tool calls"),  # the legacy form of tools
+    "tool_choice": (("none", "auto"), "no tool calls"),  # "auto" with nothing to call asks for text
+    "function_call": (("none", "auto"), "no tool calls"),
+    "echo": ((False,), "the reply holds the new message only"),
+    "continue_final_message": ((False,), "the reply is a new message"),
+    "add_special_tokens": ((False,), "the chat template writes the special tokens"),
 }
-COMPLETION_REFUSED_UNLESS: dict[str, tuple[Any, str]] = {
+COMPLETION_REFUSED_UNLESS: dict[str, tuple[tuple[Any, ...], str]] = {
     **REFUSED_UNLESS,
-    "add_special_tokens": (True, "the tokenizer's special tokens are always added"),
+    "add_special_tokens": ((True,), "the tokenizer's special tokens are always added"),
 }
 
 
-def refuse_unsupported(body: BaseModel, refused: dict[str, tuple[Any, str]]) -> None:
-    """A 400 naming the first field of `refused` that the body sets to a value other than its served one (read from
+def refuse_unsupported(body: BaseModel, refused: dict[str, tuple[tuple[Any, ...], str]]) -> None:
+    """A 400 naming the first field of `refused` that the body sets to a value other than a served one (read from
     the body's extra fields: none of them is a field of the model)."""
     extra = body.model_extra or {}
     for name, (served, why) in refused.items():
         value = extra.get(name)
-        if value is not None and value != [] and value != served:
+        if value is not None and value != [] and value not in served:
             raise APIError(400, f"{name} is not supported ({why})", param=name)
 
 
@@ -194,9 +197,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    functions: list[dict] | None = None  # the legacy form of tools
-    function_call: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None  # vLLM's per-request override
     chat_template_kwargs: dict[str, Any] | None = None
@@ -205,12 +205,7 @@ class ChatCompletionRequest(SamplingFields):
         super()._unsupported()
         if self.tools:
             raise APIError(400, "tools are not supported", param="tools")
-        if self.functions:
-            raise APIError(400, "functions are not supported", param="functions")
         refuse_unsupported(self, CHAT_REFUSED_UNLESS)
-        for name in ("tool_choice", "function_call"):  # "none" (or "auto", with nothing to call) asks for text
-            if getattr(self, name) not in (None, "none", "auto"):
-                raise APIError(400, f"{name} {getattr(self, name)!r} is not supported (no tool calls)", param=name)
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
 
