@@ -29,10 +29,20 @@ from gateway.metrics import ErrorCounter, GatewayMetrics
 from gateway.openai_serving import OpenAIServing
 from gateway.redis_persistence import warn_unless_persistent
 from gateway.request_limits import RequestLimits
-from gateway.routes import admin_adapters, admin_replicas, admin_tenants, health, metrics, openai, vllm_adapters
+from gateway.routes import (
+    admin_adapters,
+    admin_replicas,
+    admin_tenants,
+    health,
+    metrics,
+    openai,
+    tokenize,
+    vllm_adapters,
+)
 from gateway.routes.health import package_version
 from gateway.settings import ServeSettings
 from gateway.state import GatewayState
+from gateway.tokenization import Tokenization
 from gateway.usage import UsageFlusher, make_usage_store
 from registry import db
 from registry.database import RegistryDatabase
@@ -77,6 +87,7 @@ async def start(settings: ServeSettings, make_engine: EngineFactory = local_engi
         engine.tokenizer, settings.chat_template, limits.trust_request_chat_template, limits.chat_template_timeout
     )
     serving = OpenAIServing(engine, adapters, templates, gateway_metrics, limits)
+    tokenization = Tokenization(engine.tokenizer, adapters, templates, engine.max_model_len)
     store = make_usage_store(settings.redis_url, key_prefix=settings.redis_key_prefix)
     limiter = make_rate_limiter(
         settings.redis_url, fail_open=settings.limits_fail_open, key_prefix=settings.redis_key_prefix
@@ -91,6 +102,7 @@ async def start(settings: ServeSettings, make_engine: EngineFactory = local_engi
         database=database,
         adapters=adapters,
         serving=serving,
+        tokenization=tokenization,
         auth_enabled=settings.auth_enabled,
         accounting=Accounting(database.tenants, store, limiter),
         usage_flusher=flusher,
@@ -143,6 +155,6 @@ def build_app(settings: ServeSettings, make_engine: EngineFactory = local_engine
     install_error_handlers(app)
     app.add_middleware(ErrorCounter)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_body_bytes)
-    for module in (openai, vllm_adapters, admin_adapters, admin_replicas, admin_tenants, health, metrics):
+    for module in (openai, tokenize, vllm_adapters, admin_adapters, admin_replicas, admin_tenants, health, metrics):
         app.include_router(module.router)
     return app

@@ -15,6 +15,7 @@ from gateway.adapter_service import AdapterService
 from gateway.metrics import GatewayMetrics
 from gateway.openai_serving import OpenAIServing
 from gateway.settings import ServeSettings
+from gateway.tokenization import Tokenization
 from gateway.usage import UsageFlusher
 from registry.adapters import AdapterRegistry
 from registry.database import RegistryDatabase
@@ -29,6 +30,7 @@ class GatewayState:
     database: RegistryDatabase  # every table's repository
     adapters: AdapterService
     serving: OpenAIServing
+    tokenization: Tokenization  # /tokenize, /detokenize
     auth_enabled: bool
     accounting: Accounting
     usage_flusher: UsageFlusher

@@ -143,6 +143,19 @@ def test_a_private_adapter_is_invisible_to_other_tenants(server, tiny):
         lambda: theirs.completions.create(model=BASE, prompt="x", extra_body={"lora_request": {"lora_name": private}})
     )
     assert via_base["param"] == "lora_request.lora_name"
+    assert mine.models.retrieve(private).parent == BASE  # retrieve by id: the same 404 as a generation's
+    assert not_found(lambda: theirs.models.retrieve(private)) == hidden
+    assert not_found(lambda: theirs.models.retrieve("never-registered")) == missing
+
+    def post_as(key: str | None, route: str, body: dict) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        with httpx.Client(base_url=server.url, timeout=60, headers=headers) as http:
+            return http.post(route, json=body)
+
+    for route, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+        assert_openai_error(post_as(None, route, body), 401)  # a tenant's key is needed
+        assert post_as(owner_key, route, {**body, "model": private}).status_code == 200
+        assert assert_openai_error(post_as(other_key, route, {**body, "model": private}), 404, "model") == hidden
     with httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {other_key}"}) as http:
         assert http.delete(f"/admin/adapters/{private}").status_code == 403
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": private}).status_code == 403

@@ -1,4 +1,4 @@
-"""`/v1/completions`, `/v1/chat/completions`, `/v1/models`: the OpenAI-compatible surface."""
+"""`/v1/completions`, `/v1/chat/completions`, `/v1/models` (and one by id): the OpenAI-compatible surface."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from gateway.auth import TenantDep
-from gateway.errors import APIError
+from gateway.errors import APIError, model_not_found
 from gateway.generation import ClientDisconnected
 from gateway.openai_serving import Caller
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.state import GatewayState, StateDep
 from gateway.usage_report import usage_json
+from registry.adapters import split_adapter_id
+from registry.models import Adapter
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -57,10 +59,8 @@ async def usage(
     return await usage_json(state, tenant or "", adapter, start, end)
 
 
-@router.get("/models")
-async def models(state: StateDep, tenant: TenantDep):
-    """The base model and the adapters this caller may use (each adapter's latest version; `parent` = base)."""
-    base = {
+def _base_card(state: GatewayState) -> dict:
+    return {
         "id": state.base_model,
         "object": "model",
         "created": int(state.started_at),
@@ -69,16 +69,34 @@ async def models(state: StateDep, tenant: TenantDep):
         "parent": None,
         "max_model_len": state.engine.max_model_len,
     }
-    adapters = [
-        {
-            "id": a.name,
-            "object": "model",
-            "created": int(a.created_at.timestamp()),
-            "owned_by": a.owner or "loraplex",
-            "root": a.adapter_id,
-            "parent": state.base_model,
-            "version": a.version,
-        }
-        for a in await state.registry.list(tenant, latest_only=True)
-    ]
-    return {"object": "list", "data": [base, *adapters]}
+
+
+def _adapter_card(state: GatewayState, adapter: Adapter, model: str) -> dict:
+    return {
+        "id": model,
+        "object": "model",
+        "created": int(adapter.created_at.timestamp()),
+        "owned_by": adapter.owner or "loraplex",
+        "root": adapter.adapter_id,
+        "parent": state.base_model,
+        "version": adapter.version,
+    }
+
+
+@router.get("/models")
+async def models(state: StateDep, tenant: TenantDep):
+    """The base model and the adapters this caller may use (each adapter's latest version; `parent` = base)."""
+    adapters = [_adapter_card(state, a, a.name) for a in await state.registry.list(tenant, latest_only=True)]
+    return {"object": "list", "data": [_base_card(state), *adapters]}
+
+
+@router.get("/models/{model:path}")
+async def model(model: str, state: StateDep, tenant: TenantDep):
+    """One model of /v1/models by its id (OpenAI's retrieve), or an adapter's `name@version`; the same 404 as a
+    generation's for one the caller may not use."""
+    if model == state.base_model:
+        return _base_card(state)
+    adapter = await state.registry.get(*split_adapter_id(model), tenant)
+    if adapter is None:
+        raise model_not_found(model)
+    return _adapter_card(state, adapter, model)
