@@ -34,6 +34,11 @@ class ModelChoice:
         return None if self.adapter is None else lora_request(self.adapter)
 
     @property
+    def adapter_path(self) -> str | None:
+        """Where the adapter's files are (its own chat template may be among them); None for the base."""
+        return None if self.adapter is None else self.adapter.path
+
+    @property
     def adapter_name(self) -> str:
         """The usage key: the adapter's name, "" for the base model."""
         return "" if self.adapter is None else self.adapter.name

@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.errors import APIError
 from gateway.time_budget import BudgetExceeded, run_with_budget
+
+if TYPE_CHECKING:
+    from gateway.protocol import ChatMessage
 
 
 def read_template(value: str) -> str:
@@ -37,6 +40,14 @@ def adapter_template(adapter_path: str) -> str | None:
             template = named.get("default") or next(iter(named.values()), None)
         return template or None
     return None
+
+
+class ChatFields(Protocol):
+    """What a request body says about its chat's rendering (chat completions, /tokenize)."""
+
+    chat_template: str | None
+    add_generation_prompt: bool
+    chat_template_kwargs: dict[str, Any] | None
 
 
 class ChatTemplates:
@@ -71,6 +82,16 @@ class ChatTemplates:
                 param="messages",
             )
         return template
+
+    async def render_request(self, messages: list[ChatMessage], adapter_path: str | None, request: ChatFields) -> str:
+        """`messages` rendered as `request` asks (its chat_template, add_generation_prompt, chat_template_kwargs)."""
+        return await self.render(
+            [m.template_input() for m in messages],
+            adapter_path,
+            request.chat_template,
+            request.add_generation_prompt,
+            request.chat_template_kwargs,
+        )
 
     async def render(
         self,

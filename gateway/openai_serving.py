@@ -281,16 +281,7 @@ class OpenAIServing:
         self.limits.check_n(body.n)
         params = body.sampling_params(body.requested_max_tokens, body.requested_logprobs)
         choice = await self._choose(body, caller)
-        messages = [
-            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
-        ]
-        text = await self.chat_templates.render(
-            messages,
-            choice.adapter.path if choice.adapter is not None else None,
-            body.chat_template,
-            body.add_generation_prompt,
-            body.chat_template_kwargs,
-        )
+        text = await self.chat_templates.render_request(body.messages, choice.adapter_path, body)
         # the template wrote the special tokens
         (ids,) = await self.prompts.encode([text], add_special_tokens=False, param="messages")
         request_id = new_id("chatcmpl")

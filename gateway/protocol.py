@@ -181,6 +181,10 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
+    def template_input(self) -> dict[str, Any]:
+        """The message as a chat template reads it: role, content as text, name where given."""
+        return {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
+
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""

@@ -70,16 +70,7 @@ class Tokenization:
         if body.messages is None:
             text, special = body.prompt, body.add_special_tokens is not False
         else:
-            messages = [
-                {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
-            ]
-            text = await self.chat_templates.render(
-                messages,
-                choice.adapter.path if choice.adapter is not None else None,
-                body.chat_template,
-                body.add_generation_prompt,
-                body.chat_template_kwargs,
-            )
+            text = await self.chat_templates.render_request(body.messages, choice.adapter_path, body)
             special = body.add_special_tokens is True
 
         def encode() -> tuple[list[int], list[str] | None]:
