@@ -131,6 +131,16 @@ def test_requests_for_an_adapter_land_on_the_replica_that_holds_it(cluster):
     assert (cache / digests["a0@1"].removeprefix("sha256:") / "adapter_config.json").is_file()
 
 
+def test_the_ingress_tokenizes_as_the_replicas_do(cluster):
+    _, key = new_key(cluster)
+    text = "Count these words, then give them back."
+    with httpx.Client(base_url=cluster.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
+        counted = http.post("/tokenize", json={"model": "a0", "prompt": text}).json()
+        assert http.post("/detokenize", json={"tokens": counted["tokens"]}).json()["prompt"].endswith(text)
+    usage = client(cluster, key).completions.create(model="a0", prompt=text, max_tokens=2).usage
+    assert usage.prompt_tokens == counted["count"]  # the ingress's tokenizer is the replicas' (pickled by Ray)
+
+
 def test_usage_is_exact_across_replicas(cluster):
     tenant, key = new_key(cluster)
     api = client(cluster, key)
