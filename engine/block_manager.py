@@ -63,11 +63,14 @@ class BlockManager:
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of the seq. At least one token is always left to
-        compute, so the step that admits the sequence still produces its logits."""
+        compute, so the step that admits the sequence still produces its logits; none while its request waits for
+        prompt logprobs (its blocks are still registered for others once computed)."""
         if not self.enable_prefix_caching:
             return []
         hits = []
         seq.block_hashes = self._chain(seq, (seq.num_tokens - 1) // self.block_size)
+        if seq.group.wants_prompt_logprobs:  # every prompt token's logits are needed: none comes from the cache
+            return hits
         for h in seq.block_hashes:
             block_id = self.cached_blocks.get(h)
             if block_id is None:

@@ -124,4 +124,6 @@ def _accumulate(result: RequestOutput, delta: RequestOutput) -> None:
     result.finished = delta.finished
     result.num_cached_tokens = delta.num_cached_tokens
     result.metrics, result.adapter_tier = delta.metrics, delta.adapter_tier
+    if delta.prompt_logprobs is not None:
+        result.prompt_logprobs = delta.prompt_logprobs
     result.error = delta.error if delta.error is not None else result.error  # failed alone: the batch went on

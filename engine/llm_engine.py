@@ -298,10 +298,10 @@ class LLMEngine:
         results, raised = self.forward.run(batch, rows, step=self.stats.num_steps + 1)
         failed = {request_id: f"its step raised {e!r}" for request_id, e in raised.items()}
         vocab_size = self.runner.arch.vocab_size
-        for i, (hidden_finite, tokens) in results.items():
-            bad = [t.token_id for t in tokens if not 0 <= t.token_id < vocab_size]  # NON_FINITE is outside too
-            if bad or not hidden_finite:
-                failed.setdefault(batch.seqs[i].request_id, self._cause(hidden_finite, bad, vocab_size))
+        for i, outcome in results.items():
+            bad = [t.token_id for t in outcome.tokens if not 0 <= t.token_id < vocab_size]  # NON_FINITE is outside too
+            if bad or not outcome.finite:
+                failed.setdefault(batch.seqs[i].request_id, self._cause(outcome.finite, bad, vocab_size))
         if failed and len(failed) == len({seq.request_id for seq in batch.seqs}) and not self._self_test():
             raise EngineFault(f"every request of the step failed and the model fails its self-test: {failed}")
         outputs += self._fail_alone(batch, failed)
@@ -361,10 +361,13 @@ class LLMEngine:
         """Commits the step for every request that did not fail: K/V computed, new samples forked, tokens appended.
         Returns each request's deltas, and the outputs of requests whose append raised (it runs per-request code:
         the detokenizer, stop strings), which fail alone."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if seq.request_id not in failed:
                 if seq.num_computed_tokens < seq.num_prompt_tokens:
                     self.stats.num_prompt_tokens_computed += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+                prompt_logprobs = results[i].prompt_logprobs
+                if prompt_logprobs is not None:  # in order: the chunks of one prompt run in order
+                    seq.group.prompt_logprobs.extend(prompt_logprobs)
                 self.block_manager.commit(seq, n)
         for seq, seq_rows in zip(batch.seqs, rows):
             for child in seq_rows[1:] if seq.request_id not in failed else ():
@@ -377,7 +380,8 @@ class LLMEngine:
             if not rows[i] or request_id in failed:
                 continue
             try:
-                deltas.setdefault(request_id, []).extend(self._append(s, t) for s, t in zip(rows[i], results[i][1]))
+                tokens = results[i].tokens
+                deltas.setdefault(request_id, []).extend(self._append(s, t) for s, t in zip(rows[i], tokens))
             except Exception as e:
                 logger.exception("appending a token to request '%s' raised; it fails alone", request_id)
                 failed[request_id] = f"appending its token raised {e!r}"
@@ -430,6 +434,7 @@ class LLMEngine:
             num_cached_tokens=group.num_cached_tokens or 0,
             metrics=group.metrics(),
             adapter_tier=group.adapter_tier,
+            prompt_logprobs=group.take_prompt_logprobs() if outputs else None,  # with the first token
         )
 
     def _record(self, batch, deltas: dict[str, list[CompletionOutput]], finished: list[str], failed: list[str]) -> None:

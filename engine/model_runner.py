@@ -226,10 +226,15 @@ class ModelRunner:
         token_adapter_idx = np.empty(num_tokens, dtype=np.int64)  # [T]
         last_rows: list[int] = []  # each seq's last token in the flat batch
         sample_rows: list[int] = []  # which seqs sample, as indices into last_rows
+        prompt_rows: dict[int, range] = {}  # batch index -> the flat rows that score its prompt's next tokens
         q_lens, context_lens, block_tables = [], [], []
         at = 0  # the seq's first row in the flat batch
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            if seq.group.prompt_logprobs is not None:
+                scored = seq.group.prompt_logprob_positions(start, end)
+                if scored:
+                    prompt_rows[i] = range(at + scored.start - start, at + scored.stop - start)
             table = seq.block_table
             if n == 1:
                 input_ids[at], positions[at] = seq.token_ids[start], start
@@ -269,10 +274,12 @@ class ModelRunner:
         if self.adapter_cache is not None and token_adapter_idx.max() != NO_ADAPTER:
             lora = self._step_lora_meta(token_adapter_idx)
         output_rows = None
-        if num_tokens > len(last_rows):  # prefill tokens: the last layer runs on each seq's last row only
+        if num_tokens > len(last_rows) and not prompt_rows:  # prefill tokens: the last layer runs on each seq's last
+            # row only (unless some prompt's logprobs need every row)
             output_lora = None if lora is None else self._lora_meta(token_adapter_idx[last_rows])
             output_rows = OutputRows(last_rows_t, self._query_meta(context_lens, block_tables), output_lora)
-        return input_ids_t, positions_t, StepMeta(attn, lora, output_rows), last_rows_t, sample_rows_t
+        meta = StepMeta(attn, lora, output_rows)
+        return input_ids_t, positions_t, meta, last_rows_t, sample_rows_t, prompt_rows
 
     def _step_lora_meta(self, token_adapter_idx: np.ndarray) -> LoraMeta:
         """The step's LoRA meta: the last step's when every token's row is the same (the meta holds indices only;
@@ -322,19 +329,21 @@ class ModelRunner:
             self.kv_cache[:, :, torch.tensor(block_ids, device=self.device)] = 0
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
         """Runs one step (its block copies already made). Returns the final hidden states [S, H] of the seqs that
-        sample, in batch order (`logits` or `greedy_tokens` turn them into tokens), and finite [B] bool: each seq's
-        last hidden state this step is finite. A NaN or Inf in any K or V the step wrote for a seq reaches that
-        hidden state, which attends to all of them."""
+        sample, in batch order (`logits` or `greedy_tokens` turn them into tokens); finite [B] bool: each seq's
+        last hidden state this step is finite (a NaN or Inf in any K or V the step wrote for a seq reaches that
+        hidden state, which attends to all of them); and, for each batch index whose request asked for prompt
+        logprobs not yet known, the final hidden states [m, H] of the positions `prompt_logprob_positions` names."""
         if self.decode_graphs is not None and self.decode_graphs.takes(batch):  # every seq samples its one row
             last = self.decode_graphs.run(batch)  # [B, H]
-            return last, torch.isfinite(last).all(dim=-1)
-        input_ids, positions, meta, last_rows, sample_rows = self._prepare(batch)
+            return last, torch.isfinite(last).all(dim=-1), {}
+        input_ids, positions, meta, last_rows, sample_rows, prompt_rows = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta)  # [T, H], or [B, H] when the meta names output rows
         last = hidden if meta.output_rows is not None else hidden[last_rows]  # [B, H]
         finite = torch.isfinite(last).all(dim=-1)  # [B]
-        return last if sample_rows is None else last[sample_rows], finite
+        prompt_hidden = {i: hidden[rows.start : rows.stop] for i, rows in prompt_rows.items()}  # each [m, H]
+        return last if sample_rows is None else last[sample_rows], finite, prompt_hidden
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

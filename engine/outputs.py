@@ -64,6 +64,9 @@ class RequestOutput:
     adapter_tier: str | None = None  # where its adapter was on arrival: device, host or disk (None: no adapter)
     error: Exception | None = None  # set when the request failed (its adapter could not be loaded: AdapterError;
     # the request alone broke its step: SequenceFailed)
+    # params.prompt_logprobs: each prompt token's logprob given those before it (None for the first), in the delta
+    # of the request's first token (and in every accumulated output from then on)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def extended(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by a later one of the same request, as one delta: each sample's text, tokens and
@@ -81,6 +84,7 @@ class RequestOutput:
             metrics={**self.metrics, **later.metrics},
             adapter_tier=self.adapter_tier or later.adapter_tier,
             error=later.error,
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
         )
 
     @property

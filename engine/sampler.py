@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from kernels.sampling import greedy_tokens
 
@@ -284,3 +285,16 @@ def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[Samp
         top = dict(zip(top_ids[j][:num_top], top_values[j][:num_top], strict=True))
         sampled[i] = SampledToken(chosen[i], chosen_logprobs[j], top)
     return sampled
+
+
+def prompt_token_logprobs(logits: torch.Tensor, next_token_ids: list[int], num_top: int) -> list[TokenLogprob]:
+    """Each prompt token's raw logprob given the tokens before it: row j of logits [m, V] (a prompt position's)
+    scores next_token_ids[j], the prompt token after that position; with its `num_top` best tokens, best first."""
+    logprobs = logits.to(torch.float32).log_softmax(dim=-1)  # [m, V]
+    targets = torch.tensor(next_token_ids, dtype=torch.long, device=logits.device)  # [m]
+    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()  # [m]
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [m, num_top], best first
+    return [
+        TokenLogprob(token_id, logprob, dict(zip(ids, values, strict=True)))
+        for token_id, logprob, ids, values in zip(next_token_ids, chosen, top_ids.tolist(), top_values.tolist())
+    ]

@@ -32,6 +32,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per sampled token (0: the sampled token's own only)
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token after the first (0: the token's own only)
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (no text, no stop strings), as vLLM's flag
     stream_interval: int | None = None  # steps per streamed delta after the first, at least the engine's (vLLM's)
@@ -76,6 +77,8 @@ class SamplingParams:
             raise bad("min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
         if self.stream_interval is not None and self.stream_interval < 1:
             raise bad("stream_interval", f"must be at least 1, got {self.stream_interval}")
         if self.stop and not self.detokenize:

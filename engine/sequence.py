@@ -117,6 +117,10 @@ class SequenceGroup:
         self.adapter_load_s = 0.0  # how long it waited for its adapter to reach a device row
         self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at first admission
         self.seqs: list[Sequence] = []
+        # params.prompt_logprobs: entry j is prompt token j's logprob given the tokens before it (None for the
+        # first), filled as the prompt's chunks are computed; handed out once, with the request's first token
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None if self.params.prompt_logprobs is None else [None]
+        self.prompt_logprobs_sent = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -129,6 +133,25 @@ class SequenceGroup:
             metrics["queue_s"] = self.first_scheduled_time - self.arrival_time
             metrics["adapter_load_s"] = self.adapter_load_s
         return metrics
+
+    def prompt_logprob_positions(self, start: int, end: int) -> range:
+        """The positions among [start, end) whose final hidden states give a prompt logprob still unknown: position
+        p's logits score prompt token p + 1 (the last prompt position's pick the first output token instead)."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs) - 1), min(end, self.num_prompt_tokens - 1))
+
+    def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """The prompt logprobs once all are known, the first time they are asked for; None before and after."""
+        if self.prompt_logprobs is None or self.prompt_logprobs_sent or self.wants_prompt_logprobs:
+            return None
+        self.prompt_logprobs_sent = True
+        return self.prompt_logprobs
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked for and not all known: its prompt may not come from the prefix cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def needs_fork(self) -> bool:

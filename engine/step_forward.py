@@ -9,17 +9,27 @@ changes no engine state (it rewrites the same K/V slots), so running a part agai
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from engine.model_runner import ModelRunner
-from engine.sampler import SampledToken, Sampler, SamplingRow
+from engine.outputs import TokenLogprob
+from engine.sampler import SampledToken, Sampler, SamplingRow, prompt_token_logprobs
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-Outcome = tuple[bool, list[SampledToken]]  # a scheduled seq's result: its hidden state is finite; its rows' tokens
+
+@dataclass(slots=True)
+class Outcome:
+    """A scheduled seq's result: its hidden state is finite; its rows' tokens; the prompt logprobs it computed
+    (for prompt_logprob_positions of its step, in order; None: none)."""
+
+    finite: bool
+    tokens: list[SampledToken]
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def sampling_row(seq: Sequence) -> SamplingRow:
@@ -67,7 +77,7 @@ class IsolatedForward:
                 num_new_tokens=[batch.num_new_tokens[i] for i in part],
                 num_prefills=sum(1 for i in part if i < batch.num_prefills),
             )
-        hidden, finite = self.runner.execute(batch)  # [S, H], [B]
+        hidden, finite, prompt_hidden = self.runner.execute(batch)  # [S, H], [B], {index in batch: [m, H]}
         sampling = [rows[i] for i in part if rows[i]]
         sampling_rows = [sampling_row(s) for r in sampling for s in r]
         token_ids = None
@@ -81,4 +91,11 @@ class IsolatedForward:
                 repeat = torch.tensor([len(r) for r in sampling], device=logits.device)
                 logits = logits.repeat_interleave(repeat, dim=0)
             tokens = iter(self.sampler(logits, sampling_rows))
-        return {i: (ok, [next(tokens) for _ in rows[i]]) for i, ok in zip(part, finite.tolist())}
+        outcomes = {i: Outcome(ok, [next(tokens) for _ in rows[i]]) for i, ok in zip(part, finite.tolist())}
+        for local, states in prompt_hidden.items():
+            seq, n = batch.seqs[local], batch.num_new_tokens[local]
+            positions = seq.group.prompt_logprob_positions(seq.num_computed_tokens, seq.num_computed_tokens + n)
+            next_ids = seq.group.prompt_token_ids[positions.start + 1 : positions.stop + 1]
+            logits = self.runner.logits(states)  # [m, V]
+            outcomes[part[local]].prompt_logprobs = prompt_token_logprobs(logits, next_ids, seq.params.prompt_logprobs)
+        return outcomes
