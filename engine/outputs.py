@@ -21,7 +21,8 @@ class SequenceFailed(RuntimeError):
 class TokenLogprob:
     token_id: int
     logprob: float
-    top_logprobs: dict[int, float] | None = None
+    top_logprobs: dict[int, float] | None = None  # the best tokens' logprobs, best first
+    rank: int | None = None  # the token's place in its logits (1: the best); set for prompt logprobs
 
 
 @dataclass(slots=True)

@@ -289,12 +289,16 @@ def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[Samp
 
 def prompt_token_logprobs(logits: torch.Tensor, next_token_ids: list[int], num_top: int) -> list[TokenLogprob]:
     """Each prompt token's raw logprob given the tokens before it: row j of logits [m, V] (a prompt position's)
-    scores next_token_ids[j], the prompt token after that position; with its `num_top` best tokens, best first."""
+    scores next_token_ids[j], the prompt token after that position; with its rank and the `num_top` best tokens,
+    best first."""
     logprobs = logits.to(torch.float32).log_softmax(dim=-1)  # [m, V]
     targets = torch.tensor(next_token_ids, dtype=torch.long, device=logits.device)  # [m]
-    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()  # [m]
+    chosen = logprobs.gather(1, targets.unsqueeze(1))  # [m, 1]
+    ranks = (logprobs > chosen).sum(dim=-1).add_(1).tolist()  # [m]
     top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [m, num_top], best first
     return [
-        TokenLogprob(token_id, logprob, dict(zip(ids, values, strict=True)))
-        for token_id, logprob, ids, values in zip(next_token_ids, chosen, top_ids.tolist(), top_values.tolist())
+        TokenLogprob(token_id, logprob, dict(zip(ids, values, strict=True)), rank)
+        for token_id, logprob, ids, values, rank in zip(
+            next_token_ids, chosen.squeeze(1).tolist(), top_ids.tolist(), top_values.tolist(), ranks
+        )
     ]

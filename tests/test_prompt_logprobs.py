@@ -39,12 +39,15 @@ def engine(directory, **options) -> LLM:
     return LLM(model=str(directory / "base"), max_loras=2, max_lora_rank=8, **{**values, **options})
 
 
-def expected(peft_model, token_ids: list[int], adapter: str | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """peft's logprob of each prompt token after the first [P - 1], and each position's TOP best ids [P - 1, TOP]."""
+def expected(peft_model, token_ids: list[int], adapter: str | None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """peft's logprob of each prompt token after the first [P - 1], each position's TOP best ids [P - 1, TOP], and
+    each token's rank (1 + how many tokens score higher)."""
     with torch.no_grad():
         logits = peft_model(torch.tensor([token_ids]), adapter_names=[adapter or "__base__"]).logits[0]
     logprobs = logits.log_softmax(dim=-1)[:-1]  # [P - 1, V]: position p scores token p + 1
-    return logprobs.gather(1, torch.tensor(token_ids[1:]).unsqueeze(1)).squeeze(1), logprobs.topk(TOP).indices
+    chosen = logprobs.gather(1, torch.tensor(token_ids[1:]).unsqueeze(1))  # [P - 1, 1]
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    return chosen.squeeze(1), logprobs.topk(TOP).indices, ranks
 
 
 def assert_matches(output, peft_model, adapter: str | None) -> None:
@@ -52,9 +55,10 @@ def assert_matches(output, peft_model, adapter: str | None) -> None:
     got = output.prompt_logprobs
     assert got is not None and len(got) == len(ids) and got[0] is None
     assert [lp.token_id for lp in got[1:]] == ids[1:]
-    want, want_top = expected(peft_model, ids, adapter)
+    want, want_top, want_ranks = expected(peft_model, ids, adapter)
     torch.testing.assert_close(torch.tensor([lp.logprob for lp in got[1:]]), want, atol=1e-4, rtol=1e-4)
     assert [list(lp.top_logprobs) for lp in got[1:]] == want_top.tolist()  # best first
+    assert [lp.rank for lp in got[1:]] == want_ranks
 
 
 def test_prompt_logprobs_match_peft_in_a_mixed_batch_across_chunks(setup):
@@ -95,7 +99,7 @@ def test_prompt_logprobs_bypass_the_prefix_cache_and_leave_it_filled(setup):
 
 
 def assert_matches_own_token_only(output, peft_model, adapter: str) -> None:
-    want, _ = expected(peft_model, output.prompt_token_ids, adapter)
+    want, _, _ = expected(peft_model, output.prompt_token_ids, adapter)
     got = output.prompt_logprobs
     assert all(lp.top_logprobs == {} for lp in got[1:])  # prompt_logprobs=0: the token's own only
     torch.testing.assert_close(torch.tensor([lp.logprob for lp in got[1:]]), want, atol=1e-4, rtol=1e-4)
@@ -118,7 +122,7 @@ def test_n_samples_share_one_list_given_once_with_the_first_token(setup):
 
 
 def assert_matches_top1(output, peft_model, adapter: str) -> None:
-    want, want_top = expected(peft_model, output.prompt_token_ids, adapter)
+    want, want_top, _ = expected(peft_model, output.prompt_token_ids, adapter)
     got = output.prompt_logprobs[1:]
     torch.testing.assert_close(torch.tensor([lp.logprob for lp in got]), want, atol=1e-4, rtol=1e-4)
     assert [next(iter(lp.top_logprobs)) for lp in got] == want_top[:, 0].tolist()
