@@ -103,19 +103,41 @@ class TokenText:
 
 
 def completion_logprobs(logprobs: list[TokenLogprob], token_text: TokenText, text_offset: int = 0) -> dict:
-    """The legacy completions layout: parallel lists tokens / token_logprobs / top_logprobs / text_offset."""
+    """The legacy completions layout: parallel lists tokens / token_logprobs / top_logprobs / text_offset. An entry
+    whose logprob is None (an echoed prompt's first token) has None in token_logprobs and top_logprobs."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for lp in logprobs:
         text = token_text(lp.token_id)
         tokens.append(text)
         decoded = token_text.decoded(lp.token_id)
         token_logprobs.append(lp.logprob)
-        tops = {token_text(t): v for t, v in (lp.top_logprobs or {}).items()}
-        tops.setdefault(text, lp.logprob)
+        tops = None
+        if lp.logprob is not None:
+            tops = {token_text(t): v for t, v in (lp.top_logprobs or {}).items()}
+            tops.setdefault(text, lp.logprob)
         top.append(tops)
         offsets.append(text_offset)
         text_offset += len(decoded)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(prompt_logprobs: list[TokenLogprob | None], token_text: TokenText) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
+    holding the token itself and the best ones (ranked 1, 2, ... best first)."""
+    layout: list[dict | None] = []
+    for lp in prompt_logprobs:
+        if lp is None:
+            layout.append(None)
+            continue
+        entry = {
+            str(t): {"logprob": v, "rank": rank, "decoded_token": token_text.decoded(t)}
+            for rank, (t, v) in enumerate((lp.top_logprobs or {}).items(), start=1)
+        }
+        entry.setdefault(
+            str(lp.token_id), {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": token_text.decoded(lp.token_id)}
+        )
+        layout.append(entry)
+    return layout
 
 
 def chat_logprobs(logprobs: list[TokenLogprob], token_text: TokenText) -> dict:

@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import copy
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from engine.interface import AsyncEngine, CompletionOutput, EngineRequest, RequestOutput, SamplingParams
+from engine.interface import (
+    AsyncEngine,
+    CompletionOutput,
+    EngineRequest,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 from gateway.accounting import Ticket
 from gateway.adapter_service import AdapterService, ModelChoice
 from gateway.chat_templates import ChatTemplates
@@ -31,6 +38,7 @@ from gateway.openai_format import (
     new_id,
     now,
     sse,
+    vllm_prompt_logprobs,
 )
 from gateway.prompt_encoder import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -75,6 +83,7 @@ class _Choice:
     logprobs: list | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list | None = None  # its prompt's (params.prompt_logprobs), shared by the prompt's n choices
 
 
 @dataclass(slots=True)
@@ -85,6 +94,15 @@ class Primed:
 
     first: tuple[int, RequestOutput] | None
     rest: AsyncGenerator[tuple[int, RequestOutput], None]
+
+
+@dataclass(slots=True)
+class Echo:
+    """What a completion choice shows of its prompt (`OpenAIServing._prompt_part`)."""
+
+    text: str = ""  # the prompt's text, with echo
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # its tokens' entries, with echo and logprobs
+    extra: dict = field(default_factory=dict)  # vLLM's prompt_logprobs, where asked
 
 
 def _text_only(delta: CompletionOutput) -> bool:
@@ -171,16 +189,20 @@ class OpenAIServing:
         async for i, out in generation.stream():
             for delta in out.outputs:
                 self._collect(choices, i * n + delta.index, delta)
+            if out.prompt_logprobs is not None:
+                for index in range(i * n, (i + 1) * n):
+                    choices.setdefault(index, _Choice(token_ids=[])).prompt_logprobs = out.prompt_logprobs
         return choices
 
     @staticmethod
     def _whole_response(
-        head: dict, generation: Generation, choices: dict[int, _Choice], content: Callable[[_Choice], dict]
+        head: dict, generation: Generation, choices: dict[int, _Choice], content: Callable[[int, _Choice], dict]
     ) -> JSONResponse:
         """A response that is not streamed: `head`, each choice's `content` (its text and logprobs, as the
-        endpoint writes them) between its index and finish reason, and the usage."""
+        endpoint writes them, from its index and what it collected) between its index and finish reason, and the
+        usage."""
         body = [
-            {"index": index, **content(c), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            {"index": index, **content(index, c), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             for index, c in sorted(choices.items())
         ]
         return JSONResponse(
@@ -213,7 +235,7 @@ class OpenAIServing:
 
     async def completions(self, body: CompletionRequest, raw: Request, caller: Caller):
         self.limits.check_n(body.n)
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        params = body.sampling_params(body.max_tokens, body.logprobs, body.requested_prompt_logprobs)
         choice = await self._choose(body, caller)
         request_id = new_id("cmpl")
         prompts = await self._completion_prompts(body.prompt, body.n)
@@ -221,19 +243,40 @@ class OpenAIServing:
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": choice.model}
         if body.stream:
             stream = await self._primed(generation)
-            return self._stream_response(self._completion_chunks(stream, generation, head, body), generation)
+            chunks = self._completion_chunks(stream, generation, head, body, prompts)
+            return self._stream_response(chunks, generation)
         choices = await until_disconnect(raw, self._run(generation, body.n))
-        return self._whole_response(
-            head,
-            generation,
-            choices,
-            lambda c: {
-                "text": c.text,
-                "logprobs": completion_logprobs(c.logprobs, self.token_text) if c.logprobs is not None else None,
-            },
-        )
 
-    async def _completion_chunks(self, primed: Primed, generation: Generation, head: dict, body: CompletionRequest):
+        def content(index: int, c: _Choice) -> dict:
+            echo = self._prompt_part(body, prompts[index // body.n], c.prompt_logprobs)
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = completion_logprobs(echo.logprobs + c.logprobs, self.token_text)
+            return {"text": echo.text + c.text, "logprobs": logprobs, **echo.extra}
+
+        return self._whole_response(head, generation, choices, content)
+
+    def _prompt_part(self, body: CompletionRequest, prompt: tuple[str | None, list[int]], prompt_logprobs) -> Echo:
+        """What a choice shows of its prompt: with echo its text and (with logprobs) its tokens' entries before the
+        choice's own, the first without a logprob; vLLM's `prompt_logprobs` where asked."""
+        text, ids = prompt
+        echo = Echo()
+        if body.echo:
+            echo.text = text if text is not None else self.tokenizer.decode(ids)
+            if body.logprobs is not None and prompt_logprobs is not None:
+                echo.logprobs = [TokenLogprob(ids[0], None), *prompt_logprobs[1:]]
+        if body.prompt_logprobs is not None and prompt_logprobs is not None:
+            echo.extra["prompt_logprobs"] = vllm_prompt_logprobs(prompt_logprobs, self.token_text)
+        return echo
+
+    async def _completion_chunks(
+        self,
+        primed: Primed,
+        generation: Generation,
+        head: dict,
+        body: CompletionRequest,
+        prompts: list[tuple[str | None, list[int]]],
+    ):
         def chunk(index: int, text: str, logprobs=None, finish_reason=None, stop_reason=None) -> dict:
             choice = {
                 "index": index,
@@ -247,14 +290,22 @@ class OpenAIServing:
         continuous_usage = bool(body.stream_options and body.stream_options.continuous_usage_stats)
         text_chunk = TextChunks(chunk)
         offsets: dict[int, int] = {}
+        shows_prompt = body.echo or body.prompt_logprobs is not None  # a chunk of its own, before the choice's first
         try:
             item = primed.first
             while item is not None:
                 i, out = item
                 for delta in out.outputs:
+                    index = i * body.n + delta.index
+                    if shows_prompt and index not in offsets:
+                        echo = self._prompt_part(body, prompts[i], out.prompt_logprobs)
+                        logprobs = completion_logprobs(echo.logprobs, self.token_text) if echo.logprobs else None
+                        data = chunk(index, echo.text, logprobs)
+                        data["choices"][0].update(echo.extra)
+                        offsets[index] = len(echo.text)
+                        yield sse(data)
                     if _is_empty(delta):
                         continue
-                    index = i * body.n + delta.index
                     offset = offsets.get(index, 0)
                     offsets[index] = offset + len(delta.text)
                     if _text_only(delta) and not continuous_usage:
@@ -296,7 +347,7 @@ class OpenAIServing:
             head,
             generation,
             choices,
-            lambda c: {
+            lambda _, c: {
                 "message": {"role": "assistant", "content": c.text},
                 "logprobs": chat_logprobs(c.logprobs, self.token_text) if c.logprobs is not None else None,
             },

@@ -38,7 +38,6 @@ REFUSED_UNLESS: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_choice": ((), "no constrained decoding"),
     "guided_grammar": ((), "no constrained decoding"),
     "use_beam_search": ((False,), "sampling only"),
-    "prompt_logprobs": ((), "logprobs of generated tokens only"),
     "include_stop_str_in_output": ((False,), "the stop string is never part of the text"),
     "bad_words": ((), "no banned words"),
     "allowed_token_ids": ((), "no allowed-token lists"),
@@ -51,6 +50,7 @@ CHAT_REFUSED_UNLESS: dict[str, tuple[tuple[Any, ...], str]] = {
     "tool_choice": (("none", "auto"), "no tool calls"),  # "auto" with nothing to call asks for text
     "function_call": (("none", "auto"), "no tool calls"),
     "echo": ((False,), "the reply holds the new message only"),
+    "prompt_logprobs": ((), "a chat's prompt logprobs are not served: use /v1/completions"),
     "continue_final_message": ((False,), "the reply is a new message"),
     "add_special_tokens": ((False,), "the chat template writes the special tokens"),
 }
@@ -108,7 +108,9 @@ class SamplingFields(RequestModel):
             message = f"response_format of type {kind!r} is not supported (no constrained decoding)"
             raise APIError(400, message, param="response_format")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """Raises a 400 naming the parameter when a value is out of range."""
         self._unsupported()
         values: dict[str, Any] = {
@@ -135,6 +137,7 @@ class SamplingFields(RequestModel):
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 stream_interval=self.stream_interval,
             )
@@ -152,14 +155,20 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt before each choice's text (and its tokens' logprobs before the choice's)
+    prompt_logprobs: int | None = None  # vLLM's: each choice's `prompt_logprobs`
     suffix: str | None = None
     best_of: int | None = None
 
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        """How many best tokens each prompt token's entry lists: what prompt_logprobs asks, or with echo what
+        logprobs asks (its layout shows the prompt's tokens too); the larger where both are set."""
+        wanted = [self.prompt_logprobs, self.logprobs if self.echo else None]
+        return max((k for k in wanted if k is not None), default=None)
+
     def _unsupported(self) -> None:
         super()._unsupported()
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         refuse_unsupported(self, COMPLETION_REFUSED_UNLESS)
