@@ -21,6 +21,10 @@ from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
+# Prompt positions whose logits one pass makes for prompt logprobs: a 2,048-token chunk's at once were 400 MB of fp32
+# logits (and as much again for their log-softmax) with a 49K vocabulary; 256 rows are 50 MB.
+PROMPT_LOGITS_ROWS = 256
+
 
 @dataclass(slots=True)
 class Outcome:
@@ -96,6 +100,10 @@ class IsolatedForward:
             seq, n = batch.seqs[local], batch.num_new_tokens[local]
             positions = seq.group.prompt_logprob_positions(seq.num_computed_tokens, seq.num_computed_tokens + n)
             next_ids = seq.group.prompt_token_ids[positions.start + 1 : positions.stop + 1]
-            logits = self.runner.logits(states)  # [m, V]
-            outcomes[part[local]].prompt_logprobs = prompt_token_logprobs(logits, next_ids, seq.params.prompt_logprobs)
+            scored: list[TokenLogprob] = []
+            for at in range(0, len(next_ids), PROMPT_LOGITS_ROWS):
+                logits = self.runner.logits(states[at : at + PROMPT_LOGITS_ROWS])  # [<= PROMPT_LOGITS_ROWS, V]
+                top = seq.params.prompt_logprobs
+                scored += prompt_token_logprobs(logits, next_ids[at : at + PROMPT_LOGITS_ROWS], top)
+            outcomes[part[local]].prompt_logprobs = scored
         return outcomes

@@ -11,6 +11,7 @@ import torch
 from peft import PeftModel
 
 from adapters.ref import LoRARequest
+from engine import step_forward
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.hf_models import make_adapter, make_model
@@ -133,3 +134,17 @@ def test_prompt_logprobs_out_of_range_are_refused():
         SamplingParams(prompt_logprobs=21)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+
+
+def test_preempted_requests_and_sliced_logits_keep_every_prompt_logprob(setup, monkeypatch):
+    """A pool too small for the batch preempts requests (their prompts computed again, the known logprobs kept, none
+    twice), and the logits of a chunk's positions are made a few rows at a time."""
+    monkeypatch.setattr(step_forward, "PROMPT_LOGITS_ROWS", 5)
+    directory, peft_model, loras = setup
+    small = engine(directory, num_kv_blocks=12, enable_prefix_caching=True)  # 192 tokens for 16 prompts
+    token_ids = prompts(small.engine.runner.arch.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=TOP, ignore_eos=True)
+    outputs = small.generate([{"prompt_token_ids": ids} for ids in token_ids], params, lora_request=loras["b"])
+    assert small.engine.scheduler.num_preemptions > 0
+    for output in outputs:
+        assert_matches(output, peft_model, "b")
