@@ -291,14 +291,17 @@ class OpenAIServing:
         text_chunk = TextChunks(chunk)
         offsets: dict[int, int] = {}
         shows_prompt = body.echo or body.prompt_logprobs is not None  # a chunk of its own, before the choice's first
+        prompt_logprobs: dict[int, list] = {}  # prompt -> its logprobs, in the delta of its first tokens
         try:
             item = primed.first
             while item is not None:
                 i, out = item
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[i] = out.prompt_logprobs
                 for delta in out.outputs:
                     index = i * body.n + delta.index
                     if shows_prompt and index not in offsets:
-                        echo = self._prompt_part(body, prompts[i], out.prompt_logprobs)
+                        echo = self._prompt_part(body, prompts[i], prompt_logprobs.get(i))
                         logprobs = completion_logprobs(echo.logprobs, self.token_text) if echo.logprobs else None
                         data = chunk(index, echo.text, logprobs)
                         data["choices"][0].update(echo.extra)

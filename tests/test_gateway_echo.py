@@ -81,6 +81,21 @@ def test_scoring_a_prompt_gives_peft_logprobs(client, tokenizer, peft_logprobs, 
     assert plain.usage.prompt_tokens_details.cached_tokens >= 16  # what the scored requests computed, cached
 
 
+def test_every_streamed_choice_starts_with_its_prompt(client):
+    prompts = [PROMPT, "The rabbit"]
+    stream = client.completions.create(
+        model="sql", prompt=prompts, n=2, max_tokens=4, echo=True, stream=True, extra_body={"ignore_eos": True}
+    )
+    texts: dict[int, str] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert sorted(texts) == [0, 1, 2, 3]
+    for index, text in texts.items():
+        prompt = prompts[index // 2]
+        assert text.startswith(prompt) and len(text) > len(prompt)
+
+
 def test_a_streamed_score_is_the_whole_ones(client):
     whole = client.completions.create(model="sql", prompt=PROMPT, **SCORE).choices[0].logprobs
     chunks = [c.choices[0] for c in client.completions.create(model="sql", prompt=PROMPT, stream=True, **SCORE)]
