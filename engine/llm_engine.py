@@ -146,7 +146,7 @@ class LLMEngine:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        max_tokens = request.sampling.max_tokens or 1
+        max_tokens = request.sampling.max_tokens if request.sampling.max_tokens is not None else 1
         if num_prompt + max_tokens > self.max_model_len:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but {num_prompt + max_tokens} "
@@ -390,8 +390,13 @@ class LLMEngine:
         return deltas, failures
 
     def _append(self, seq: Sequence, token) -> CompletionOutput:
-        """Appends a sampled token, detokenizes it and applies the stop checks."""
+        """Appends a sampled token, detokenizes it and applies the stop checks; with max_tokens 0 (the prompt alone)
+        ends the sample instead, the token dropped."""
         params = seq.params
+        if params.max_tokens == 0:
+            seq.finish_reason = "length"
+            self.scheduler.finish(seq)
+            return CompletionOutput(seq.index, "", [], [] if seq.logprobs is not None else None, "length")
         seq.token_ids.append(token.token_id)
         self.stats.num_generated_tokens += 1
         logprob = None

@@ -26,7 +26,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    max_tokens: int | None = 16  # None: up to the context length
+    max_tokens: int | None = 16  # None: up to the context length; 0: the prompt alone (its logprobs, its cache)
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -69,8 +69,8 @@ class SamplingParams:
         low, high = REPETITION_PENALTY_RANGE
         if not low <= self.repetition_penalty <= high:
             raise bad("repetition_penalty", f"must be in [{low:g}, {high:g}], got {self.repetition_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise bad("max_tokens", f"must be non-negative, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -124,12 +124,24 @@ def test_vllm_prompt_logprobs_layout(client, tokenizer, peft_logprobs):
             assert entry[token]["logprob"] == pytest.approx(peft_logprobs["sql"][position].item(), abs=1e-4)
 
 
-def test_echo_of_a_chat_and_max_tokens_zero_are_refused(client):
+def test_max_tokens_zero_scores_the_prompt_alone(client, tokenizer, peft_logprobs):
+    """The older form of a loglikelihood request (lm-eval-harness before 0.4, OpenAI's legacy API): nothing is
+    generated, nothing is counted as completion tokens."""
+    response = client.completions.create(model="sql", prompt=PROMPT, echo=True, logprobs=0, max_tokens=0)
+    choice = response.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    ids = tokenizer.encode(PROMPT)
+    assert len(choice.logprobs.token_logprobs) == len(ids) and choice.logprobs.token_logprobs[0] is None
+    got = torch.tensor(choice.logprobs.token_logprobs[1:])
+    torch.testing.assert_close(got, peft_logprobs["sql"], atol=1e-4, rtol=1e-4)
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(ids), 0)
+    without_echo = client.completions.create(model="sql", prompt=PROMPT, max_tokens=0)
+    assert without_echo.choices[0].text == "" and without_echo.usage.completion_tokens == 0
+
+
+def test_echo_of_a_chat_is_refused(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
             model="sql", messages=[{"role": "user", "content": "x"}], extra_body={"echo": True}
         )
     assert caught.value.body["param"] == "echo"
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model="sql", prompt=PROMPT, echo=True, max_tokens=0)
-    assert caught.value.body["param"] == "max_tokens"

@@ -54,7 +54,7 @@ CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 
         ({"model": "sql", "prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", ""),
         ({"model": "sql", "prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty", ""),
         ({"model": "sql", "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", ""),
-        ({"model": "sql", "prompt": "x", "max_tokens": 0}, 400, "max_tokens", ""),
+        ({"model": "sql", "prompt": "x", "max_tokens": -1}, 400, "max_tokens", "non-negative"),
         ({"model": "sql", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "integer"),
         ({"model": "sql", "prompt": "x", "logprobs": 50}, 400, "logprobs", ""),
         ({"model": "sql", "prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens", "at most max_tokens"),

@@ -129,11 +129,32 @@ def assert_matches_top1(output, peft_model, adapter: str) -> None:
     assert [next(iter(lp.top_logprobs)) for lp in got] == want_top[:, 0].tolist()
 
 
+def test_max_tokens_zero_computes_the_prompt_alone(setup):
+    """Nothing generated, the prompt logprobs all there, and the prompt's blocks left in the prefix cache (a prefill
+    that warms the cache)."""
+    directory, peft_model, loras = setup
+    llm = engine(directory, enable_prefix_caching=True)
+    ids = prompts(llm.engine.runner.arch.vocab_size)[-1]  # 100 tokens
+    scored = llm.generate(
+        [{"prompt_token_ids": ids}],
+        SamplingParams(n=2, max_tokens=0, prompt_logprobs=TOP, logprobs=1),
+        lora_request=loras["a"],
+    )[0]
+    assert [(o.token_ids, o.text, o.logprobs, o.finish_reason) for o in scored.outputs] == [([], "", [], "length")] * 2
+    assert scored.finished and llm.engine.stats.num_generated_tokens == 0
+    assert_matches(scored, peft_model, "a")
+    after = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), lora_request=loras["a"])[0]
+    assert after.num_cached_tokens == 96
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks  # nothing held
+
+
 def test_prompt_logprobs_out_of_range_are_refused():
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=-1)
 
 
 def test_preempted_requests_and_sliced_logits_keep_every_prompt_logprob(setup, monkeypatch):
