@@ -333,7 +333,7 @@ class OpenAIServing:
     # ---- chat ----------------------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, raw: Request, caller: Caller):
         self.limits.check_n(body.n)
-        params = body.sampling_params(body.requested_max_tokens, body.requested_logprobs)
+        params = body.sampling_params(body.requested_max_tokens, body.requested_logprobs, body.prompt_logprobs)
         choice = await self._choose(body, caller)
         text = await self.chat_templates.render_request(body.messages, choice.adapter_path, body)
         # the template wrote the special tokens
@@ -346,6 +346,8 @@ class OpenAIServing:
             return self._stream_response(self._chat_chunks(stream, generation, head, body), generation)
         choices = await until_disconnect(raw, self._run(generation, body.n))
         head = {"id": request_id, "object": "chat.completion", "created": now(), "model": choice.model}
+        if body.prompt_logprobs is not None and choices:
+            head["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs or [], self.token_text)
         return self._whole_response(
             head,
             generation,
@@ -366,15 +368,19 @@ class OpenAIServing:
         continuous_usage = bool(body.stream_options and body.stream_options.continuous_usage_stats)
         text_chunk = TextChunks(lambda index, text: chunk(index, {"content": text}))
 
-        def event(index: int, delta: dict, finish_reason=None, logprobs=None) -> str:
-            data = chunk(index, delta, finish_reason, logprobs)
+        def event(index: int, delta: dict, finish_reason=None, logprobs=None, **top) -> str:
+            data = {**chunk(index, delta, finish_reason, logprobs), **top}
             if continuous_usage:
                 data["usage"] = generation.usage.to_dict()
             return sse(data)
 
         try:
+            prompt_logprobs = primed.first[1].prompt_logprobs if primed.first is not None else None
             for index in range(body.n):
-                yield event(index, {"role": "assistant", "content": ""})
+                top = {}
+                if index == 0 and prompt_logprobs is not None:  # vLLM's, with the chat's first chunk
+                    top["prompt_logprobs"] = vllm_prompt_logprobs(prompt_logprobs, self.token_text)
+                yield event(index, {"role": "assistant", "content": ""}, **top)
             item = primed.first
             while item is not None:
                 for delta in item[1].outputs:

@@ -50,7 +50,6 @@ CHAT_REFUSED_UNLESS: dict[str, tuple[tuple[Any, ...], str]] = {
     "tool_choice": (("none", "auto"), "no tool calls"),  # "auto" with nothing to call asks for text
     "function_call": (("none", "auto"), "no tool calls"),
     "echo": ((False,), "the reply holds the new message only"),
-    "prompt_logprobs": ((), "a chat's prompt logprobs are not served: use /v1/completions"),
     "continue_final_message": ((False,), "the reply is a new message"),
     "add_special_tokens": ((False,), "the chat template writes the special tokens"),
 }
@@ -210,6 +209,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the response's `prompt_logprobs`, over the rendered prompt
     add_generation_prompt: bool = True
     chat_template: str | None = None  # vLLM's per-request override
     chat_template_kwargs: dict[str, Any] | None = None
@@ -222,10 +222,12 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """As SamplingFields', a range error of the logprobs count naming top_logprobs, the field chat sets it by."""
         try:
-            return super().sampling_params(max_tokens, logprobs)
+            return super().sampling_params(max_tokens, logprobs, prompt_logprobs)
         except APIError as e:
             if e.param != "logprobs":
                 raise

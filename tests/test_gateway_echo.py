@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import httpx
 import openai
 import pytest
 import torch
@@ -137,6 +138,28 @@ def test_max_tokens_zero_scores_the_prompt_alone(client, tokenizer, peft_logprob
     assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(ids), 0)
     without_echo = client.completions.create(model="sql", prompt=PROMPT, max_tokens=0)
     assert without_echo.choices[0].text == "" and without_echo.usage.completion_tokens == 0
+
+
+def test_a_chats_prompt_logprobs_are_its_rendered_prompts(server, client):
+    """vLLM's `prompt_logprobs` on a chat (the response's, and its stream's first chunk's): those of the prompt its
+    template rendered, as /v1/completions scores those tokens."""
+    messages = [{"role": "user", "content": PROMPT}]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        ids = http.post("/tokenize", json={"model": "sql", "messages": messages}).json()["tokens"]
+        chat = http.post(
+            "/v1/chat/completions", json={"model": "sql", "messages": messages, "max_tokens": 2, "prompt_logprobs": 0}
+        ).json()
+    layout = chat["prompt_logprobs"]
+    assert len(layout) == len(ids) == chat["usage"]["prompt_tokens"] and layout[0] is None
+    scored = client.completions.create(model="sql", prompt=ids, echo=True, logprobs=0, max_tokens=0).choices[0]
+    got = [entry[str(token)]["logprob"] for entry, token in zip(layout[1:], ids[1:])]
+    assert got == pytest.approx(scored.logprobs.token_logprobs[1:], abs=1e-6)
+    stream = client.chat.completions.create(
+        model="sql", messages=messages, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 0}
+    )
+    first = next(iter(stream))
+    assert first.model_extra["prompt_logprobs"] == layout
+    assert all("prompt_logprobs" not in chunk.model_extra for chunk in stream)  # once
 
 
 def test_echo_of_a_chat_is_refused(client):

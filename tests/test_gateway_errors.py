@@ -106,7 +106,7 @@ def test_completions_errors(http, body, status, param, text):
         ),
         ({**CHAT, "model": "sql", "guided_grammar": "root ::= 'a'"}, 400, "guided_grammar", "not supported"),
         ({**CHAT, "model": "sql", "echo": True}, 400, "echo", "new message only"),
-        ({**CHAT, "model": "sql", "prompt_logprobs": 1}, 400, "prompt_logprobs", "/v1/completions"),
+        ({**CHAT, "model": "sql", "prompt_logprobs": 25}, 400, "prompt_logprobs", "[0, 20], got 25"),
         ({**CHAT, "model": "sql", "continue_final_message": True}, 400, "continue_final_message", ""),
         ({**CHAT, "model": "sql", "add_special_tokens": True}, 400, "add_special_tokens", "chat template"),
         ({**CHAT, "model": "sql", "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
