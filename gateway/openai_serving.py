@@ -305,6 +305,8 @@ class OpenAIServing:
                         logprobs = completion_logprobs(echo.logprobs, self.token_text) if echo.logprobs else None
                         data = chunk(index, echo.text, logprobs)
                         data["choices"][0].update(echo.extra)
+                        if continuous_usage:
+                            data["usage"] = generation.usage.to_dict()
                         offsets[index] = len(echo.text)
                         yield sse(data)
                     if _is_empty(delta):

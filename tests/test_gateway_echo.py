@@ -61,6 +61,13 @@ def test_echo_puts_the_prompt_before_the_same_completion(client, tokenizer):
     assert by_ids.choices[0].text == tokenizer.decode(ids) + plain.choices[0].text
     stream = client.completions.create(model="sql", prompt=PROMPT, max_tokens=6, temperature=0, echo=True, stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices) == echoed.choices[0].text
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        client.completions.create(
+            model="sql", prompt=PROMPT, max_tokens=6, temperature=0, echo=True, stream=True, stream_options=options
+        )
+    )
+    assert chunks[0].choices[0].text == PROMPT and all(c.usage is not None for c in chunks)  # the echo's chunk too
 
 
 @pytest.mark.parametrize("model", [BASE, "sql"])
