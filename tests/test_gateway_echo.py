@@ -26,8 +26,7 @@ def tiny(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    root, _, adapters = tiny
-    with ServerThread(settings_for(root, adapters, enable_prefix_caching=True)) as running:
+    with ServerThread(settings_for(tiny[0], tiny[2])) as running:  # the prefix cache on, as by default
         yield running
 
 
