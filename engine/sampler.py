@@ -294,8 +294,14 @@ def prompt_token_logprobs(logits: torch.Tensor, next_token_ids: list[int], num_t
     logprobs = logits.to(torch.float32).log_softmax(dim=-1)  # [m, V]
     targets = torch.tensor(next_token_ids, dtype=torch.long, device=logits.device)  # [m]
     chosen = logprobs.gather(1, targets.unsqueeze(1))  # [m, 1]
-    ranks = (logprobs > chosen).sum(dim=-1).add_(1).tolist()  # [m]
-    top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [m, num_top], best first
+    if num_top == 1:  # lm-eval-harness's case: max is twice as fast as topk(1)
+        best = logprobs.max(dim=-1, keepdim=True)
+        top_values, top_ids = best.values, best.indices  # [m, 1]
+    else:
+        top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [m, num_top], best first
+    # each token's rank: 1 + the tokens scoring higher, counted in place as 0.0 / 1.0 (exact in fp32 below 2^24 tokens;
+    # a bool comparison and its sum took 3.5x as long)
+    ranks = logprobs.sub_(chosen).gt_(0).sum(dim=-1).add_(1).long().tolist()  # [m]
     return [
         TokenLogprob(token_id, logprob, dict(zip(ids, values, strict=True)), rank)
         for token_id, logprob, ids, values, rank in zip(
