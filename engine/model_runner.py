@@ -226,7 +226,7 @@ class ModelRunner:
         token_adapter_idx = np.empty(num_tokens, dtype=np.int64)  # [T]
         last_rows: list[int] = []  # each seq's last token in the flat batch
         sample_rows: list[int] = []  # which seqs sample, as indices into last_rows
-        prompt_rows: dict[int, range] = {}  # batch index -> the flat rows that score its prompt's next tokens
+        prompt_rows: dict[int, tuple[range, range]] = {}  # batch index -> (prompt positions scored, their flat rows)
         q_lens, context_lens, block_tables = [], [], []
         at = 0  # the seq's first row in the flat batch
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
@@ -234,7 +234,7 @@ class ModelRunner:
             if seq.group.prompt_logprobs is not None:
                 scored = seq.group.prompt_logprob_positions(start, end)
                 if scored:
-                    prompt_rows[i] = range(at + scored.start - start, at + scored.stop - start)
+                    prompt_rows[i] = (scored, range(at + scored.start - start, at + scored.stop - start))
             table = seq.block_table
             if n == 1:
                 input_ids[at], positions[at] = seq.token_ids[start], start
@@ -329,12 +329,14 @@ class ModelRunner:
             self.kv_cache[:, :, torch.tensor(block_ids, device=self.device)] = 0
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    def execute(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, tuple[range, torch.Tensor]]]:
         """Runs one step (its block copies already made). Returns the final hidden states [S, H] of the seqs that
         sample, in batch order (`logits` or `greedy_tokens` turn them into tokens); finite [B] bool: each seq's
         last hidden state this step is finite (a NaN or Inf in any K or V the step wrote for a seq reaches that
         hidden state, which attends to all of them); and, for each batch index whose request asked for prompt
-        logprobs not yet known, the final hidden states [m, H] of the positions `prompt_logprob_positions` names."""
+        logprobs not yet known, the positions `prompt_logprob_positions` names and their final hidden states [m, H]."""
         if self.decode_graphs is not None and self.decode_graphs.takes(batch):  # every seq samples its one row
             last = self.decode_graphs.run(batch)  # [B, H]
             return last, torch.isfinite(last).all(dim=-1), {}
@@ -342,7 +344,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)  # [T, H], or [B, H] when the meta names output rows
         last = hidden if meta.output_rows is not None else hidden[last_rows]  # [B, H]
         finite = torch.isfinite(last).all(dim=-1)  # [B]
-        prompt_hidden = {i: hidden[rows.start : rows.stop] for i, rows in prompt_rows.items()}  # each [m, H]
+        prompt_hidden = {i: (scored, hidden[rows.start : rows.stop]) for i, (scored, rows) in prompt_rows.items()}
         return last if sample_rows is None else last[sample_rows], finite, prompt_hidden
 
     @torch.inference_mode()

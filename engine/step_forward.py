@@ -81,7 +81,7 @@ class IsolatedForward:
                 num_new_tokens=[batch.num_new_tokens[i] for i in part],
                 num_prefills=sum(1 for i in part if i < batch.num_prefills),
             )
-        hidden, finite, prompt_hidden = self.runner.execute(batch)  # [S, H], [B], {index in batch: [m, H]}
+        hidden, finite, prompt_hidden = self.runner.execute(batch)  # [S, H], [B], {index: (positions, [m, H])}
         sampling = [rows[i] for i in part if rows[i]]
         sampling_rows = [sampling_row(s) for r in sampling for s in r]
         token_ids = None
@@ -96,14 +96,13 @@ class IsolatedForward:
                 logits = logits.repeat_interleave(repeat, dim=0)
             tokens = iter(self.sampler(logits, sampling_rows))
         outcomes = {i: Outcome(ok, [next(tokens) for _ in rows[i]]) for i, ok in zip(part, finite.tolist())}
-        for local, states in prompt_hidden.items():
-            seq, n = batch.seqs[local], batch.num_new_tokens[local]
-            positions = seq.group.prompt_logprob_positions(seq.num_computed_tokens, seq.num_computed_tokens + n)
+        for local, (positions, states) in prompt_hidden.items():
+            seq = batch.seqs[local]
             next_ids = seq.group.prompt_token_ids[positions.start + 1 : positions.stop + 1]
+            top = seq.params.prompt_logprobs
             scored: list[TokenLogprob] = []
             for at in range(0, len(next_ids), PROMPT_LOGITS_ROWS):
                 logits = self.runner.logits(states[at : at + PROMPT_LOGITS_ROWS])  # [<= PROMPT_LOGITS_ROWS, V]
-                top = seq.params.prompt_logprobs
                 scored += prompt_token_logprobs(logits, next_ids[at : at + PROMPT_LOGITS_ROWS], top)
             outcomes[part[local]].prompt_logprobs = scored
         return outcomes
