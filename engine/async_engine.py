@@ -265,13 +265,16 @@ class AsyncEngine:
         self._engine.abort(request_id)
 
     async def validate(self, request: EngineRequest) -> None:
-        """Raises ValueError naming what is wrong with the request (prompt, length, vocabulary, id); adds nothing.
-        Runs here, not on the engine thread: it only reads limits fixed at start and tests one id against the live
-        requests (a dict lookup), and add_request checks everything again on the engine thread. A round trip would
+        """Raises ValueError naming what is wrong with the request (prompt, length, vocabulary, id, grammar); adds
+        nothing. Runs here, not on the engine thread: it only reads limits fixed at start and tests one id against the
+        live requests (a dict lookup), and add_request checks everything again on the engine thread. A round trip would
         wait for the step in progress, so a burst of requests would reach the engine over several steps."""
         if not self.is_alive:
             raise EngineStopped(f"the engine thread has stopped: {self._stop_reason}")
-        self._engine.validate(request)
+        if request.sampling.structured_outputs is not None:  # compiling a grammar (the first time, indexing the
+            await asyncio.to_thread(self._engine.validate, request)  # vocabulary: ~0.5 s) must not hold the loop
+        else:
+            self._engine.validate(request)
 
     # ---- adapters ------------------------------------------------------------------------------------
     async def _read(self, lora: LoRARequest) -> HostAdapter | None:

@@ -2,10 +2,11 @@
 
 Callers outside engine/ import these through engine/interface.py. Everything here is a dataclass of
 ints, strings, lists and dicts (or an exception), so the same surface can be served across a process boundary:
-requests in (`EngineRequest` with its `SamplingParams` and `LoRARequest`), outputs back (`RequestOutput` of
-`CompletionOutput`s), what an adapter is (`AdapterInfo`), the engine's state (`EngineSnapshot`), and the errors a
-request or an adapter can fail with (`ValueError` for a bad request, `AdapterError` for a bad adapter,
-`SequenceFailed` for a request that broke its own step while the others went on).
+requests in (`EngineRequest` with its `SamplingParams`, their `StructuredOutputsParams`, and `LoRARequest`),
+outputs back (`RequestOutput` of `CompletionOutput`s), what an adapter is (`AdapterInfo`), the engine's state
+(`EngineSnapshot`), and the errors a request or an adapter can fail with (`ValueError` for a bad request, and its
+`StructuredOutputError` for a grammar that does not compile; `AdapterError` for a bad adapter; `SequenceFailed` for
+a request that broke its own step while the others went on).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from adapters.ref import LoRARequest, parse_lora_module
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, RequestOutput, SequenceFailed, TokenLogprob
 from engine.request import EngineRequest
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputError, StructuredOutputsParams
 
 Tier = Literal["device", "host", "loading", "failed", "disk"]  # where an adapter is now, fastest first
 
@@ -94,6 +95,8 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SequenceFailed",
+    "StructuredOutputError",
+    "StructuredOutputsParams",
     "Tier",
     "TokenLogprob",
     "parse_lora_module",

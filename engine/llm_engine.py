@@ -37,6 +37,7 @@ from engine.sampler import NON_FINITE, Sampler
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceGroup
 from engine.step_forward import IsolatedForward, Outcome
+from engine.structured_outputs import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.adapter_cache)
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         self.forward = IsolatedForward(self.runner, self.sampler)
         self.groups: dict[str, SequenceGroup] = {}
         self.pinned_adapters: dict[tuple[str, str], int] = {}  # LoRARequest.key -> adapter_idx held by pin_adapter
@@ -124,6 +126,8 @@ class LLMEngine:
         """Validates and queues a request; raises ValueError naming what is wrong with it."""
         self.validate(request)
         group = SequenceGroup(request, self._arrivals)
+        if request.sampling.structured_outputs is not None:
+            group.grammar = self.grammars.compile(request.sampling.structured_outputs)
         self._arrivals += 1
         seq = self._new_seq(group, 0, list(request.prompt_token_ids))
         self.groups[request.request_id] = group
@@ -152,6 +156,8 @@ class LLMEngine:
                 f"this model's maximum context length is {self.max_model_len} tokens, but {num_prompt + max_tokens} "
                 f"were requested ({num_prompt} in the prompt, {max_tokens} to generate)"
             )
+        if request.sampling.structured_outputs is not None:
+            self.grammars.compile(request.sampling.structured_outputs)  # StructuredOutputError: it does not compile
 
     def _new_seq(self, group: SequenceGroup, index: int, token_ids: list[int]) -> Sequence:
         params = group.params
@@ -159,6 +165,8 @@ class LLMEngine:
             self.tokenizer, params.stop, params.skip_special_tokens, prompt_token_ids=group.prompt_token_ids
         )
         seq = Sequence(group, index, token_ids, detok)
+        if group.grammar is not None:
+            seq.matcher = self.grammars.matcher(group.grammar)
         group.seqs.append(seq)
         return seq
 
@@ -301,7 +309,8 @@ class LLMEngine:
         for i, outcome in results.items():
             bad = [t.token_id for t in outcome.tokens if not 0 <= t.token_id < vocab_size]  # NON_FINITE is outside too
             if bad or not outcome.finite:
-                failed.setdefault(batch.seqs[i].request_id, self._cause(outcome.finite, bad, vocab_size))
+                seq = batch.seqs[i]
+                failed.setdefault(seq.request_id, self._cause(outcome.finite, bad, vocab_size, seq.matcher is not None))
         if failed and len(failed) == len({seq.request_id for seq in batch.seqs}) and not self._self_test():
             raise EngineFault(f"every request of the step failed and the model fails its self-test: {failed}")
         outputs += self._fail_alone(batch, failed)
@@ -326,11 +335,12 @@ class LLMEngine:
         return [seq, *(self._new_seq(group, index, list(seq.token_ids)) for index in range(1, group.params.n))]
 
     @staticmethod
-    def _cause(hidden_finite: bool, bad_token_ids: list[int], vocab_size: int) -> str:
+    def _cause(hidden_finite: bool, bad_token_ids: list[int], vocab_size: int, constrained: bool) -> str:
         if not hidden_finite:
             return "its hidden states hold NaN or Inf"
         if bad_token_ids[0] == NON_FINITE:
-            return "its logits hold NaN or Inf (after its sampling parameters were applied)"
+            why = "its logits hold NaN or Inf (after its sampling parameters were applied)"
+            return why + (", or its grammar left no token to take" if constrained else "")
         return f"it sampled token id {bad_token_ids[0]}, outside the vocabulary [0, {vocab_size})"
 
     def _self_test(self) -> bool:
@@ -397,6 +407,8 @@ class LLMEngine:
             seq.finish_reason = "length"
             self.scheduler.finish(seq)
             return CompletionOutput(seq.index, "", [], [] if seq.logprobs is not None else None, "length")
+        if seq.matcher is not None:
+            seq.matcher.accept(token.token_id)  # raises where the grammar refuses it: the request fails alone
         seq.token_ids.append(token.token_id)
         self.stats.num_generated_tokens += 1
         logprob = None
@@ -413,6 +425,8 @@ class LLMEngine:
             seq.finish_reason = "stop"
         elif seq.detokenizer.stopped:
             seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stop_string
+        elif seq.matcher is not None and seq.matcher.is_done:  # its structured output is complete
+            seq.finish_reason = "stop"
         elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
             seq.num_tokens >= self.max_model_len
         ):

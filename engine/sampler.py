@@ -1,8 +1,8 @@
 """Sampler: owns turning one step's logits into one token per row.
 
-The order is vLLM's: repetition / presence / frequency penalties, min_tokens bans, then for random
-rows temperature, top-k, top-p, min-p and an inverse-CDF draw. Logprobs are always those of the raw
-logits, before any of that, as vLLM reports them.
+The order is vLLM's: a structured output's grammar mask, repetition / presence / frequency penalties, min_tokens
+bans, then for random rows temperature, top-k, top-p, min-p and an inverse-CDF draw. Logprobs are those of the
+raw logits before any of that but the grammar mask, as vLLM reports them.
 Every step is batched across rows and every op works row by row; only seeded rows draw their uniform
 one row at a time, from their own generator, so a seed gives the same tokens whatever else is batched.
 A row whose logits hold NaN or Inf (as the model gave them, or after penalties and temperature) gets no token:
@@ -22,6 +22,7 @@ import torch
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import TokenMask
 from kernels.sampling import greedy_tokens
 
 TOP_CANDIDATES = 256  # top-k / top-p look for their cut, and draw, among this many best tokens first
@@ -59,16 +60,21 @@ class Sampler:
     def __init__(self, eos_token_ids: set[int]):
         self.eos_token_ids = frozenset(eos_token_ids)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
-        """logits: [B, V], row b sampled for rows[b]. The caller's logits are left untouched."""
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow], mask: TokenMask | None = None
+    ) -> list[SampledToken]:
+        """logits: [B, V], row b sampled for rows[b]; mask: the tokens the constrained rows' grammars allow. The
+        caller's logits are left untouched."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         ban_rows, ban_tokens = self._min_tokens_bans(rows, logits.shape[1])
-        if not ban_rows and all(_is_plain_greedy(row.params) for row in rows):
+        if mask is None and not ban_rows and all(_is_plain_greedy(row.params) for row in rows):
             token_ids = greedy_tokens(logits)  # [B], NON_FINITE (-1) for a row with NaN or Inf: one C++ pass
             if token_ids is None:
                 token_ids = logits.argmax(dim=-1).masked_fill_(~finite_rows(logits), NON_FINITE)
             return self.argmax_tokens(token_ids)
         finite = finite_rows(logits)  # [B]: the model gave the row finite logits
+        if mask is not None:  # -inf where a grammar refuses the token: what the rest of the sampler sees
+            logits = mask.apply(logits)  # [B, V]
 
         scores = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # [B, V]
         apply_penalties(scores, rows)
@@ -78,7 +84,7 @@ class Sampler:
         random_idx = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if greedy_idx:
             best, token_ids[greedy_idx] = _select_rows(scores, greedy_idx).max(dim=-1)  # max is NaN if any is
-            finite[greedy_idx] &= best.isfinite()  # also +inf from a penalty, or every token banned
+            finite[greedy_idx] &= best.isfinite()  # also +inf from a penalty, or every token banned (or refused)
         if random_idx:
             token_ids[random_idx], drawn = sample(_select_rows(scores, random_idx), [rows[i] for i in random_idx])
             finite[random_idx] &= drawn

@@ -1,9 +1,12 @@
-"""SamplingParams: what a request asks of the sampler and the stop checks, validated once at the door."""
+"""SamplingParams: what a request asks of the sampler and the stop checks, validated once at the door; and
+StructuredOutputsParams, the form its output must take (the grammar it must follow)."""
 
 from __future__ import annotations
 
+import json as json_module
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM: a smaller temperature is sampled greedily
 FLOAT32_MAX = 3.4028234663852886e38  # the sampler works in float32: a larger value becomes inf there
@@ -13,6 +16,64 @@ FLOAT32_MAX = 3.4028234663852886e38  # the sampler works in float32: a larger va
 # its division made +inf logits and NaN probabilities.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutputError(ValueError):
+    """A request's structured output does not compile against the engine's tokenizer (a bad schema, regex or
+    grammar): a bad request, refused before it starts, with the compiler's own words."""
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """The form a request's output must take, as vLLM's StructuredOutputsParams: exactly one of a JSON schema
+    (`json`, a dict or its JSON text), any JSON object (`json_object`), a regular expression (`regex`, Rust regex
+    syntax, matched whole), one of a list of strings (`choice`), or a grammar (`grammar`: Lark, or GBNF as llama.cpp
+    writes it). JSON may hold any whitespace between its tokens, unless `disable_any_whitespace` (then none at all,
+    as json.dumps(separators=(",", ":")) writes it). Only its shape is checked here; the engine compiles it against
+    its tokenizer and names what does not compile (engine/structured_outputs.py)."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(why: str) -> ValueError:
+            return ValueError(f"invalid sampling parameter 'structured_outputs': {why}")
+
+        given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            names = ", ".join(STRUCTURED_KINDS)
+            raise bad(f"give exactly one of {names}; got {', '.join(given) if given else 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json_module.loads(self.json)
+                except ValueError as e:
+                    raise bad(f"json is not valid JSON text: {e}") from None
+            else:
+                schema = self.json
+            if not isinstance(schema, dict | bool):
+                raise bad(f"json must be a JSON schema (an object), got {type(schema).__name__}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise bad("regex must be a non-empty string")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise bad("grammar must be a non-empty string")
+        if self.choice is not None:
+            if not isinstance(self.choice, list | tuple) or not self.choice:
+                raise bad("choice must be a non-empty list of strings")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise bad("every choice must be a non-empty string")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False))
 
 
 @dataclass(slots=True)
@@ -36,6 +97,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (no text, no stop strings), as vLLM's flag
     stream_interval: int | None = None  # steps per streamed delta after the first, at least the engine's (vLLM's)
+    structured_outputs: StructuredOutputsParams | None = None  # the grammar every sample's output follows
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +147,8 @@ class SamplingParams:
             raise bad("stop", "stop strings need detokenize=True")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def is_greedy(self) -> bool:

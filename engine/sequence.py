@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from engine.outputs import TokenLogprob
     from engine.request import EngineRequest
     from engine.sampling_params import SamplingParams
+    from engine.structured_outputs import GrammarMatcher
 
 _seq_counter = itertools.count()
 NO_ADAPTER = -1
@@ -48,6 +49,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.detokenizer = detokenizer
         self.logprobs: list[TokenLogprob] | None = [] if group.params.logprobs is not None else None
+        self.matcher: GrammarMatcher | None = None  # its place in the request's structured output grammar
         seed = group.params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(hash((seed, index)) & (2**63 - 1))
 
@@ -104,6 +106,7 @@ class SequenceGroup:
         self.prompt_token_ids = list(request.prompt_token_ids)
         self.params = request.sampling
         self.lora = request.lora
+        self.grammar: str | None = None  # the compiled structured output its samples follow (engine/structured_outputs)
         self.adapter_digest = request.adapter_digest  # set to the adapter's digest once it is loaded
         # the device row of its adapter, pinned ONCE for all its sequences (forks share it) from the first
         # admission until the request finishes or is aborted, so one request always runs on one adapter version

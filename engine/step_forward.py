@@ -18,6 +18,7 @@ from engine.outputs import TokenLogprob
 from engine.sampler import SampledToken, Sampler, SamplingRow, prompt_token_logprobs
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.structured_outputs import allowed_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +85,11 @@ class IsolatedForward:
         hidden, finite, prompt_hidden = self.runner.execute(batch)  # [S, H], [B], {index: (positions, [m, H])}
         sampling = [rows[i] for i in part if rows[i]]
         sampling_rows = [sampling_row(s) for r in sampling for s in r]
+        mask = None  # what the grammars of the rows with a structured output allow
+        if any(s.matcher is not None for r in sampling for s in r):
+            mask = allowed_tokens([s.matcher for r in sampling for s in r], self.runner.arch.vocab_size, hidden.device)
         token_ids = None
-        if len(sampling_rows) == len(sampling) and self.sampler.wants_argmax_only(sampling_rows):
+        if mask is None and len(sampling_rows) == len(sampling) and self.sampler.wants_argmax_only(sampling_rows):
             token_ids = self.runner.greedy_tokens(hidden)  # [S], or None: no screened head, or it cannot tell
         if token_ids is not None:
             tokens = iter(self.sampler.argmax_tokens(token_ids))
@@ -94,7 +98,7 @@ class IsolatedForward:
             if any(len(r) > 1 for r in sampling):  # new samples each draw from their parent's row
                 repeat = torch.tensor([len(r) for r in sampling], device=logits.device)
                 logits = logits.repeat_interleave(repeat, dim=0)
-            tokens = iter(self.sampler(logits, sampling_rows))
+            tokens = iter(self.sampler(logits, sampling_rows, mask))
         outcomes = {i: Outcome(ok, [next(tokens) for _ in rows[i]]) for i, ok in zip(part, finite.tolist())}
         for local, (positions, states) in prompt_hidden.items():
             seq = batch.seqs[local]

@@ -15,11 +15,21 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from engine.interface import AdapterError, AsyncEngine, EngineRequest, EngineStopped, RequestOutput, SequenceFailed
+from engine.interface import (
+    AdapterError,
+    AsyncEngine,
+    EngineRequest,
+    EngineStopped,
+    RequestOutput,
+    SequenceFailed,
+    StructuredOutputError,
+)
 from gateway.errors import APIError
 from gateway.metrics import Latency, RequestMetrics
 
 logger = logging.getLogger(__name__)
+
+INVALID_STRUCTURED_OUTPUT = "invalid_structured_output"  # the error code of a schema, regex or grammar that fails
 
 
 @dataclass(slots=True)
@@ -51,6 +61,8 @@ def engine_error(error: Exception) -> APIError:
     if isinstance(error, SequenceFailed):  # this request's numbers went bad; the others ran on
         logger.error("request failed in the engine: %s", error)
         return APIError(500, f"the engine failed this request: {error}", code="sequence_failed")
+    if isinstance(error, StructuredOutputError):  # the field that asked for it: `OpenAIServing._generation`
+        return APIError(400, str(error), param="structured_outputs", code=INVALID_STRUCTURED_OUTPUT)
     if isinstance(error, ValueError):
         message = str(error)
         param = "max_tokens" if "context length" in message else "prompt"

@@ -27,7 +27,7 @@ from gateway.accounting import Ticket
 from gateway.adapter_service import AdapterService, ModelChoice
 from gateway.chat_templates import ChatTemplates
 from gateway.errors import APIError, error_body
-from gateway.generation import Generation, UsageCallback, until_disconnect
+from gateway.generation import INVALID_STRUCTURED_OUTPUT, Generation, UsageCallback, until_disconnect
 from gateway.metrics import GatewayMetrics
 from gateway.openai_format import (
     SSE_DONE,
@@ -143,7 +143,10 @@ class OpenAIServing:
         params: SamplingParams,
         choice: ModelChoice,
         caller: Caller,
+        structured_field: str | None = None,
     ) -> Generation:
+        """The engine's requests for the prompts, validated (a 400 naming `structured_field`, the body's field that
+        asked for the structured output, where it does not compile)."""
         requests = [
             EngineRequest(
                 request_id=f"{request_id}-{i}",
@@ -158,7 +161,12 @@ class OpenAIServing:
         ]
         metrics = self.metrics.request(caller.tenant, choice.adapter_name, endpoint)
         generation = Generation(self.engine, requests, caller.on_done(choice), metrics)
-        await generation.validate()
+        try:
+            await generation.validate()
+        except APIError as e:
+            if e.code != INVALID_STRUCTURED_OUTPUT or structured_field is None:
+                raise
+            raise APIError(400, e.message, param=structured_field, code=e.code) from None
         return generation
 
     @staticmethod
@@ -239,7 +247,9 @@ class OpenAIServing:
         choice = await self._choose(body, caller)
         request_id = new_id("cmpl")
         prompts = await self._completion_prompts(body.prompt, body.n)
-        generation = await self._generation("completions", request_id, prompts, params, choice, caller)
+        generation = await self._generation(
+            "completions", request_id, prompts, params, choice, caller, body.structured_field
+        )
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": choice.model}
         if body.stream:
             stream = await self._primed(generation)
@@ -341,7 +351,9 @@ class OpenAIServing:
         # the template wrote the special tokens
         (ids,) = await self.prompts.encode([text], add_special_tokens=False, param="messages")
         request_id = new_id("chatcmpl")
-        generation = await self._generation("chat", request_id, [(text, ids)], params, choice, caller)
+        generation = await self._generation(
+            "chat", request_id, [(text, ids)], params, choice, caller, body.structured_field
+        )
         if body.stream:
             head = {"id": request_id, "object": "chat.completion.chunk", "created": now(), "model": choice.model}
             stream = await self._primed(generation)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.interface import SamplingParams
 from gateway.errors import APIError
 from gateway.request_model import RequestModel
+from gateway.structured_fields import structured_field, structured_outputs
 
 NonNegInt = Annotated[int, Field(ge=0)]
 
@@ -32,11 +33,6 @@ class LoRASelection(BaseModel):
 # or one of the values that ask for what is served anyway. Ignoring one would break the caller's contract.
 # field -> (the values that mean "as served", why it is refused)
 REFUSED_UNLESS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "structured_outputs": ((), "no constrained decoding"),  # vLLM's, and its older guided_* fields
-    "guided_json": ((), "no constrained decoding"),
-    "guided_regex": ((), "no constrained decoding"),
-    "guided_choice": ((), "no constrained decoding"),
-    "guided_grammar": ((), "no constrained decoding"),
     "use_beam_search": ((False,), "sampling only"),
     "include_stop_str_in_output": ((False,), "the stop string is never part of the text"),
     "bad_words": ((), "no banned words"),
@@ -97,21 +93,23 @@ class SamplingFields(RequestModel):
     skip_special_tokens: bool = True
     lora_request: LoRASelection | None = None  # TensorRT-LLM's form; `model` then names the base
     stream_interval: int | None = None  # steps per streamed chunk after the first (the server's, if larger)
-    response_format: dict[str, Any] | None = None  # OpenAI's structured outputs; {"type": "text"} is served
+    response_format: dict[str, Any] | None = None  # OpenAI's structured outputs (gateway/structured_fields.py)
 
     def _unsupported(self) -> None:
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            kind = self.response_format.get("type")
-            message = f"response_format of type {kind!r} is not supported (no constrained decoding)"
-            raise APIError(400, message, param="response_format")
+
+    @property
+    def structured_field(self) -> str | None:
+        """The field that asks for a structured output (response_format, structured_outputs, guided_*), if one does."""
+        return structured_field(self.response_format, self.model_extra or {})
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
         """Raises a 400 naming the parameter when a value is out of range."""
         self._unsupported()
+        structured = structured_outputs(self.response_format, self.model_extra or {})
         values: dict[str, Any] = {
             "n": self.n,
             "temperature": self.temperature,
@@ -139,6 +137,7 @@ class SamplingFields(RequestModel):
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 stream_interval=self.stream_interval,
+                structured_outputs=structured,
             )
         except ValueError as e:
             message = str(e)

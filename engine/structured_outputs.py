@@ -1,0 +1,161 @@
+"""Structured outputs: owns compiling a request's StructuredOutputsParams into a grammar with llguidance, against the
+engine's tokenizer, and each sequence's GrammarMatcher, which names the tokens its next step may take and follows
+the tokens it takes.
+
+A step with constrained rows hands the sampler a TokenMask (`allowed_tokens`): the sampler sets the logits of the
+tokens a row's grammar refuses to -inf (`TokenMask.apply`) before anything else, so greedy and random rows alike
+pick among what the grammar allows, and the logprobs reported are those of the masked logits (as vLLM reports them).
+A sequence ends ("stop") once its grammar is complete and admits no further token. llguidance's index of the
+vocabulary (each token's bytes) is built once, on first use: 0.3-0.6 s for a 49K vocabulary on a 2-core Xeon. The
+mask of 16 rows of a 49K vocabulary takes ~1.2-1.8 ms a step (llguidance's part ~10 us a row, more on the first
+visit of a grammar state); the step also leaves the screened greedy head for the full fp32 LM head.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+import llguidance
+import llguidance.hf
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from engine.sampling_params import StructuredOutputError, StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+BITS = 32  # tokens per word of llguidance's bitmask (int32)
+ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """params as an llguidance grammar (unchecked); raises ValueError where llguidance cannot read it at all."""
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        schema = ANY_JSON_OBJECT if kind == "json_object" else params.json
+        schema = schema if isinstance(schema, str) else json.dumps(schema)
+        compact = {"whitespace_flexible": False} if params.disable_any_whitespace else None
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=compact)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(params.regex)
+    if kind == "choice":
+        return llguidance.grammar_from("choice", json.dumps(params.choice))
+    return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF (converted to Lark)
+
+
+class GrammarCompiler:
+    """Compiles and checks requests' grammars (any thread), and makes their sequences' matchers."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: set[int]):
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the logits' width: ids past the tokenizer's are never allowed
+        self._eos_token_ids = sorted(eos_token_ids)
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._checked = functools.lru_cache(maxsize=256)(self._check)  # grammar text -> its error ("" when none)
+
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                started = time.perf_counter()
+                try:
+                    self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                        self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids or None
+                    )
+                except ValueError as e:
+                    raise StructuredOutputError(f"structured outputs need a fast tokenizer: {e}") from None
+                logger.info(
+                    "structured outputs: llguidance indexed the %d-token vocabulary in %.2f s",
+                    self.vocab_size,
+                    time.perf_counter() - started,
+                )
+            return self._ll_tokenizer
+
+    def compile(self, params: StructuredOutputsParams) -> str:
+        """params' grammar, checked against the tokenizer; raises StructuredOutputError naming what does not compile
+        (a schema keyword, the regex's position, the grammar's line)."""
+        what = {"json": "JSON schema", "json_object": "JSON object", "choice": "choice", "grammar": "grammar"}
+        name = what.get(params.kind, params.kind)
+        try:
+            grammar = grammar_text(params)
+        except ValueError as e:
+            raise StructuredOutputError(f"invalid {name} for structured outputs: {e}") from None
+        error = self._checked(grammar)
+        if error:
+            raise StructuredOutputError(f"invalid {name} for structured outputs: {error.strip()}")
+        return grammar
+
+    def _check(self, grammar: str) -> str:
+        return llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer())
+
+    def matcher(self, grammar: str) -> GrammarMatcher:
+        """A matcher at the start of a grammar `compile` returned."""
+        return GrammarMatcher(llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0))  # errors: get_error
+
+
+class GrammarMatcher:
+    """One sequence's place in its grammar."""
+
+    __slots__ = ("_matcher",)
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self._matcher = matcher
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Writes the tokens the next step may take into bitmask[row] ([W] int32 on the host, bit t % 32 of word
+        t // 32 set where token t is allowed)."""
+        words = bitmask[row]
+        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+
+    def accept(self, token_id: int) -> None:
+        """Advances past a sampled token; raises ValueError when the grammar refuses it."""
+        if not self._matcher.consume_token(token_id):
+            error = self._matcher.get_error().split("\n")[0] or "the token is not allowed here"  # then a state dump
+            raise ValueError(f"token id {token_id} breaks the structured output's grammar: {error}")
+
+    @property
+    def is_done(self) -> bool:
+        """The grammar is complete and admits no further token: the sequence ends here."""
+        return self._matcher.is_stopped()
+
+
+@dataclass(slots=True)
+class TokenMask:
+    """What the grammars of a step's constrained rows refuse: rows [C] (indices into the step's sampling rows, in
+    order) and refused [C, V] bool."""
+
+    rows: list[int]
+    refused: torch.Tensor
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] with -inf where a row's grammar refuses the token (a new tensor; logits are left as they
+        are)."""
+        if len(self.rows) == logits.shape[0]:
+            return logits.masked_fill(self.refused, -math.inf)
+        masked = logits.clone()  # [B, V]
+        masked[self.rows] = masked[self.rows].masked_fill_(self.refused, -math.inf)
+        return masked
+
+
+BIT_VALUES = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)  # [8]: bit b of a byte
+
+
+def allowed_tokens(matchers: list[GrammarMatcher | None], vocab_size: int, device: torch.device) -> TokenMask | None:
+    """The TokenMask of the rows that have a matcher (None when none has)."""
+    rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
+    if not rows:
+        return None
+    words = (vocab_size + BITS - 1) // BITS
+    bitmask = torch.empty(len(rows), words, dtype=torch.int32)  # [C, W]
+    for j, i in enumerate(rows):
+        matchers[i].fill(bitmask, j)
+    # little-endian: token t is bit t % 8 of byte t // 8; unpacking bytes moves a quarter of what int32 words do
+    bytes_ = bitmask.view(torch.uint8).unsqueeze(-1)  # [C, 4W, 1]
+    refused = (bytes_ & BIT_VALUES) == 0  # [C, 4W, 8]
+    return TokenMask(rows, refused.view(len(rows), words * BITS)[:, :vocab_size].to(device))  # [C, V]
