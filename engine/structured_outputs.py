@@ -84,9 +84,11 @@ class GrammarCompiler:
         name = what.get(params.kind, params.kind)
         try:
             grammar = grammar_text(params)
-        except ValueError as e:
+            error = self._checked(grammar)
+        except StructuredOutputError:
+            raise
+        except Exception as e:  # llguidance's own exceptions (ValueError, RuntimeError): the request's input
             raise StructuredOutputError(f"invalid {name} for structured outputs: {e}") from None
-        error = self._checked(grammar)
         if error:
             raise StructuredOutputError(f"invalid {name} for structured outputs: {error.strip()}")
         return grammar

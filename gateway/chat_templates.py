@@ -48,6 +48,7 @@ class ChatFields(Protocol):
     chat_template: str | None
     add_generation_prompt: bool
     chat_template_kwargs: dict[str, Any] | None
+    checked_tools: list[dict[str, Any]] | None  # the tools the template is told of (gateway/tool_calls.py)
 
 
 class ChatTemplates:
@@ -84,13 +85,15 @@ class ChatTemplates:
         return template
 
     async def render_request(self, messages: list[ChatMessage], adapter_path: str | None, request: ChatFields) -> str:
-        """`messages` rendered as `request` asks (its chat_template, add_generation_prompt, chat_template_kwargs)."""
+        """`messages` rendered as `request` asks (its chat_template, add_generation_prompt, chat_template_kwargs,
+        tools)."""
         return await self.render(
             [m.template_input() for m in messages],
             adapter_path,
             request.chat_template,
             request.add_generation_prompt,
             request.chat_template_kwargs,
+            request.checked_tools,
         )
 
     async def render(
@@ -100,12 +103,14 @@ class ChatTemplates:
         request_template: str | None = None,
         add_generation_prompt: bool = True,
         extra: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         template = self.choose(adapter_path, request_template)
 
         def render() -> str:
             return self.tokenizer.apply_chat_template(
                 messages,
+                tools=tools,
                 chat_template=template,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,

@@ -43,6 +43,7 @@ from gateway.openai_format import (
 from gateway.prompt_encoder import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.request_limits import RequestLimits
+from gateway.tool_calls import ToolCalling, ToolCallStream
 
 ADAPTER_LOAD_HEADER = "x-loraplex-adapter-load-ms"
 ADAPTER_TIER_HEADER = "x-loraplex-adapter-tier"
@@ -362,15 +363,28 @@ class OpenAIServing:
         head = {"id": request_id, "object": "chat.completion", "created": now(), "model": choice.model}
         if body.prompt_logprobs is not None and choices:
             head["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs or [], self.token_text)
+        calling = body.tool_calling()
+        messages = {index: self._message(c, calling) for index, c in choices.items()}
         return self._whole_response(
             head,
             generation,
             choices,
-            lambda _, c: {
-                "message": {"role": "assistant", "content": c.text},
+            lambda index, c: {
+                "message": messages[index],
                 "logprobs": chat_logprobs(c.logprobs, self.token_text) if c.logprobs is not None else None,
             },
         )
+
+    @staticmethod
+    def _message(c: _Choice, calling: ToolCalling | None) -> dict:
+        """A choice's assistant message: its text, or the tool calls its text makes (finish reason "tool_calls" when
+        they are complete; `ToolCalling.calls` for the ones cut short)."""
+        calls = calling.calls(c.text, c.finish_reason == "stop") if calling is not None else None
+        if calls is None:
+            return {"role": "assistant", "content": c.text}
+        if c.finish_reason == "stop":
+            c.finish_reason = "tool_calls"
+        return {"role": "assistant", "content": None, "tool_calls": calls}
 
     async def _chat_chunks(self, primed: Primed, generation: Generation, head: dict, body: ChatCompletionRequest):
         def chunk(index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
@@ -388,6 +402,8 @@ class OpenAIServing:
                 data["usage"] = generation.usage.to_dict()
             return sse(data)
 
+        calling = body.tool_calling()
+        tool_streams = {index: ToolCallStream(calling) for index in range(body.n)} if calling is not None else None
         try:
             prompt_logprobs = primed.first[1].prompt_logprobs if primed.first is not None else None
             for index in range(body.n):
@@ -399,6 +415,14 @@ class OpenAIServing:
             while item is not None:
                 for delta in item[1].outputs:
                     if _is_empty(delta):
+                        continue
+                    if tool_streams is not None:
+                        calls, finish_reason = tool_streams[delta.index].push(delta.text, delta.finish_reason)
+                        logprobs = None
+                        if delta.logprobs is not None:
+                            logprobs = chat_logprobs(delta.logprobs, self.token_text)
+                        if calls is not None or finish_reason is not None or logprobs is not None:
+                            yield event(delta.index, calls or {}, finish_reason, logprobs)
                         continue
                     if _text_only(delta) and not continuous_usage:
                         yield text_chunk(delta.index, delta.text)  # not empty: it has text

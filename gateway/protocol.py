@@ -10,10 +10,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.interface import SamplingParams
+from engine.interface import SamplingParams, StructuredOutputsParams
 from gateway.errors import APIError
 from gateway.request_model import RequestModel
 from gateway.structured_fields import structured_field, structured_outputs
+from gateway.tool_calls import ToolCalling, checked_tools, template_message_tool_calls, tool_calling
 
 NonNegInt = Annotated[int, Field(ge=0)]
 
@@ -42,9 +43,8 @@ REFUSED_UNLESS: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 CHAT_REFUSED_UNLESS: dict[str, tuple[tuple[Any, ...], str]] = {
     **REFUSED_UNLESS,
-    "functions": ((), "no tool calls"),  # the legacy form of tools
-    "tool_choice": (("none", "auto"), "no tool calls"),  # "auto" with nothing to call asks for text
-    "function_call": (("none", "auto"), "no tool calls"),
+    "functions": ((), "no legacy function calls: use tools"),  # the legacy form of tools
+    "function_call": (("none", "auto"), "no legacy function calls: use tool_choice"),
     "echo": ((False,), "the reply holds the new message only"),
     "continue_final_message": ((False,), "the reply is a new message"),
     "add_special_tokens": ((False,), "the chat template writes the special tokens"),
@@ -104,12 +104,16 @@ class SamplingFields(RequestModel):
         """The field that asks for a structured output (response_format, structured_outputs, guided_*), if one does."""
         return structured_field(self.response_format, self.model_extra or {})
 
+    def structured(self) -> StructuredOutputsParams | None:
+        """The structured output the body asks for; a 400 naming the field when it is malformed."""
+        return structured_outputs(self.response_format, self.model_extra or {})
+
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
         """Raises a 400 naming the parameter when a value is out of range."""
         self._unsupported()
-        structured = structured_outputs(self.response_format, self.model_extra or {})
+        structured = self.structured()
         values: dict[str, Any] = {
             "n": self.n,
             "temperature": self.temperature,
@@ -187,10 +191,18 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
     def template_input(self) -> dict[str, Any]:
-        """The message as a chat template reads it: role, content as text, name where given."""
-        return {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
+        """The message as a chat template reads it: role, content as text, name, tool calls and the call a tool
+        message answers where given."""
+        message = {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
+        if self.tool_calls:
+            message["tool_calls"] = template_message_tool_calls(self.tool_calls)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -207,7 +219,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
+    tools: list[Any] | None = None  # gateway/tool_calls.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     prompt_logprobs: int | None = None  # vLLM's: the response's `prompt_logprobs`, over the rendered prompt
     add_generation_prompt: bool = True
     chat_template: str | None = None  # vLLM's per-request override
@@ -215,8 +229,6 @@ class ChatCompletionRequest(SamplingFields):
 
     def _unsupported(self) -> None:
         super()._unsupported()
-        if self.tools:
-            raise APIError(400, "tools are not supported", param="tools")
         refuse_unsupported(self, CHAT_REFUSED_UNLESS)
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
@@ -231,6 +243,28 @@ class ChatCompletionRequest(SamplingFields):
             if e.param != "logprobs":
                 raise
             raise APIError(400, e.message.replace("'logprobs'", "'top_logprobs'"), param="top_logprobs") from None
+
+    @property
+    def checked_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them; a 400 naming what is malformed."""
+        return checked_tools(self.tools)
+
+    def tool_calling(self) -> ToolCalling | None:
+        """How the reply calls a tool (None: it is text); a 400 naming tools or tool_choice where they are wrong."""
+        return tool_calling(self.checked_tools, self.tool_choice, self.parallel_tool_calls)
+
+    @property
+    def structured_field(self) -> str | None:
+        return "tools" if self.tool_calling() is not None else super().structured_field
+
+    def structured(self) -> StructuredOutputsParams | None:
+        calling = self.tool_calling()
+        if calling is None:
+            return super().structured()
+        other = super().structured_field
+        if other is not None:
+            raise APIError(400, f"tool_choice asks for a tool call and {other} for another form: give one", param=other)
+        return calling.structured
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -19,10 +19,10 @@ from gateway.chat_templates import ChatTemplates
 from gateway.errors import APIError
 from gateway.protocol import ChatMessage, refuse_unsupported
 from gateway.request_model import RequestModel
+from gateway.tool_calls import checked_tools
 
 # field -> (the values that mean "as served", why it is refused), as for the chat endpoint
 TOKENIZE_REFUSED_UNLESS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": ((), "no tool calls"),
     "continue_final_message": ((False,), "a chat is rendered as a new message's prompt"),
 }
 
@@ -39,7 +39,12 @@ class TokenizeRequest(RequestModel):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None  # rendered into the chat as its completion's template would
     return_token_strs: bool = False
+
+    @property
+    def checked_tools(self) -> list[dict[str, Any]] | None:
+        return checked_tools(self.tools)
 
     def check(self) -> None:
         """A 400 naming the field: neither or both of prompt and messages, or a refused field."""

@@ -122,3 +122,71 @@ def test_structured_outputs_on_the_real_model_and_each_adapter(demo_server, mode
         extra_body={"guided_choice": ["Tokyo", "Kyoto", "Osaka"]},
     ).choices[0]
     assert capital.message.content in {"Tokyo", "Kyoto", "Osaka"} and capital.finish_reason == "stop"
+
+
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "The local time in a time zone",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string"}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+def test_tool_calls_on_the_real_model(demo_server):
+    """tool_choice naming a function and "required", streamed and not: SmolLM2 calls get_weather for Paris with
+    arguments that parse, and a conversation carrying the call and its result is answered as text."""
+    api = openai.OpenAI(base_url=f"{demo_server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for tool_choice in (named, "required"):
+        reply = api.chat.completions.create(
+            model=DEMO_MODEL_NAME, messages=messages, tools=WEATHER_TOOLS, tool_choice=tool_choice, max_tokens=60,
+            temperature=0, parallel_tool_calls=False,
+        )  # fmt: skip
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        (call,) = choice.message.tool_calls
+        assert call.id.startswith("call_") and call.type == "function"
+        assert call.function.name == "get_weather"
+        assert "paris" in json.loads(call.function.arguments)["city"].lower()
+        chunks = list(
+            api.chat.completions.create(
+                model=DEMO_MODEL_NAME, messages=messages, tools=WEATHER_TOOLS, tool_choice=tool_choice,
+                max_tokens=60, temperature=0, parallel_tool_calls=False, stream=True,
+            )
+        )  # fmt: skip
+        pieces = [c for chunk in chunks if chunk.choices for c in chunk.choices[0].delta.tool_calls or []]
+        assert pieces[0].id and pieces[0].function.name == "get_weather"
+        assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    history = [
+        *messages,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees Celsius"},
+    ]
+    answer = api.chat.completions.create(
+        model=DEMO_MODEL_NAME, messages=history, tools=WEATHER_TOOLS, tool_choice="none", max_tokens=40, temperature=0
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content

@@ -103,10 +103,10 @@ def test_completions_errors(http, body, status, param, text):
     [
         ({"model": "sql", "messages": []}, 400, "messages", ""),
         ({"model": "sql", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role", ""),
-        ({**CHAT, "model": "sql", "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
-        ({**CHAT, "model": "sql", "tool_choice": "required"}, 400, "tool_choice", "not supported"),
-        ({**CHAT, "model": "sql", "functions": [{"name": "f"}]}, 400, "functions", "not supported"),
-        ({**CHAT, "model": "sql", "function_call": {"name": "f"}}, 400, "function_call", "not supported"),
+        ({**CHAT, "model": "sql", "tools": [{"type": "function"}]}, 400, "tools", "tools[0] must be"),
+        ({**CHAT, "model": "sql", "tool_choice": "required"}, 400, "tool_choice", "no tools are given"),
+        ({**CHAT, "model": "sql", "functions": [{"name": "f"}]}, 400, "functions", "use tools"),
+        ({**CHAT, "model": "sql", "function_call": {"name": "f"}}, 400, "function_call", "use tool_choice"),
         (
             {**CHAT, "model": "sql", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
             400,

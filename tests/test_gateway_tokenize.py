@@ -105,7 +105,7 @@ def test_bad_input_is_a_4xx_naming_the_field_and_the_server_goes_on(http, served
         ("/tokenize", {"prompt": 5}, 400, "prompt", ""),
         ("/tokenize", {"messages": []}, 400, "messages", ""),
         ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model", "does not exist"),
-        ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+        ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools", "tools[0] must be"),
         ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message", ""),
         ("/tokenize", {"prompt": "\udfff"}, 400, "prompt", "unicode"),
         ("/detokenize", {"tokens": [1, vocab]}, 400, "tokens", f"token {vocab} at index 1"),

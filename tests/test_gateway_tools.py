@@ -1,0 +1,177 @@
+"""Tool calls through a real socket with the real `openai` client: a named function's arguments and the required
+calls are the offline engine's text under the schema tool_choice makes (greedy), streamed and not; the tools, an
+assistant's calls (their arguments as objects) and the tool's answer reach the chat template; tool_choice "auto"
+and malformed tools are 400s naming the field. The real model calling the right function: tests/test_gateway_demo.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from gateway.tool_calls import ToolCallStream, checked_tools, tool_calling
+from tests.gateway_server import BASE, ServerThread, build_tiny, settings_for
+from tests.test_gateway_admin import assert_openai_error
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}}, "required": ["city"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": CITY}},
+    {"type": "function", "function": {"name": "ping"}},  # no parameters
+]
+MESSAGES = [{"role": "user", "content": "weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+BAD_SCHEMA = {"type": "object", "required": 1}
+NAMED_F = {"type": "function", "function": {"name": "f"}}
+# a template that shows what it was given: the tools, each message's calls (arguments read as an object), the answers
+TOOL_TEMPLATE = (
+    "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+    "{% for m in messages %}<s>{{ m.role }}: {{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}[call {{ c.function.name }} city={{ c.function.arguments.city }}]{% endfor %}"
+    "{% if m.tool_call_id %}[answers {{ m.tool_call_id }}]{% endif %}\n{% endfor %}<s>assistant: "
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tokenizer):
+    return build_tiny(tmp_path_factory.mktemp("tools"), tokenizer, {"sql": 8})
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    root, _, adapters = tiny
+    with ServerThread(settings_for(root, adapters, trust_request_chat_template=True)) as running:
+        yield running
+
+
+def api(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def calling(tool_choice, parallel: bool = True):
+    return tool_calling(checked_tools(TOOLS), tool_choice, parallel)
+
+
+def offline_reply(tiny, tokenizer, tool_choice, max_tokens: int) -> tuple[str, str]:
+    """(text, finish reason) of the offline engine on MESSAGES under the schema tool_choice makes, greedy."""
+    root, _, _ = tiny
+    text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    llm = LLM(model=str(root / "base"), device="cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=calling(tool_choice).structured)
+    (out,) = llm.generate([{"prompt_token_ids": ids}], params)
+    return out.outputs[0].text, out.outputs[0].finish_reason
+
+
+@pytest.mark.parametrize("tool_choice", [NAMED, "required"])
+def test_tool_calls_are_the_offline_engines_text_streamed_and_not(server, tiny, tokenizer, tool_choice):
+    text, finish = offline_reply(tiny, tokenizer, tool_choice, 40)
+    reply = api(server).chat.completions.create(
+        model=BASE, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, max_tokens=40, temperature=0
+    )
+    choice = reply.choices[0]
+    complete = finish == "stop"
+    assert choice.finish_reason == ("tool_calls" if complete else finish)
+    chunks = list(
+        api(server).chat.completions.create(
+            model=BASE, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, max_tokens=40, temperature=0,
+            stream=True,
+        )
+    )  # fmt: skip
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+    pieces = [p for c in chunks if c.choices for p in c.choices[0].delta.tool_calls or []]
+    streamed_text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    if tool_choice == NAMED:  # the call, cut short or not: its arguments are the text
+        (call,) = choice.message.tool_calls
+        assert choice.message.content is None and call.function.name == "get_weather" and call.id.startswith("call_")
+        assert call.function.arguments == text
+        assert pieces[0].id and pieces[0].function.name == "get_weather" and {p.index for p in pieces} == {0}
+        assert "".join(p.function.arguments for p in pieces) == text
+    elif complete:
+        calls = json.loads(text)
+        assert [c.function.name for c in choice.message.tool_calls] == [c["name"] for c in calls]
+        assert [json.loads(c.function.arguments) for c in choice.message.tool_calls] == [c["parameters"] for c in calls]
+        assert [p.function.name for p in pieces] == [c["name"] for c in calls]
+    else:  # the array cut short by max_tokens: text, as the model wrote it
+        assert choice.message.tool_calls is None and choice.message.content == text
+        assert not pieces and streamed_text == text
+
+
+def test_tool_call_streams_unit():
+    """A named call's pieces carry its id, type and name once; the required calls go out whole, with their indices."""
+    named = ToolCallStream(calling(NAMED))
+    first, _ = named.push('{"city":', None)
+    second, reason = named.push(' "Paris"}', "stop")
+    assert first["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city":'}
+    assert first["tool_calls"][0]["id"].startswith("call_") and first["tool_calls"][0]["type"] == "function"
+    assert second == {"tool_calls": [{"index": 0, "function": {"arguments": ' "Paris"}'}}]} and reason == "tool_calls"
+    required = ToolCallStream(calling("required"))
+    assert required.push('[{"name": "ping", "parameters": {}},', None) == (None, None)
+    calls, reason = required.push(' {"name": "get_weather", "parameters": {"city": "Tokyo"}}]', "stop")
+    assert reason == "tool_calls" and [c["index"] for c in calls["tool_calls"]] == [0, 1]
+    assert [c["function"]["name"] for c in calls["tool_calls"]] == ["ping", "get_weather"]
+    assert json.loads(calls["tool_calls"][1]["function"]["arguments"]) == {"city": "Tokyo"}
+    assert ToolCallStream(calling("required")).push("[{", "length") == ({"content": "[{"}, "length")
+
+
+def test_parallel_tool_calls_false_allows_one_call():
+    schema = calling("required", parallel=False).structured.json
+    assert schema["maxItems"] == 1 and "maxItems" not in calling("required").structured.json
+
+
+def test_the_template_sees_the_tools_the_calls_and_the_answers(server, tokenizer):
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_7",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_7", "content": "sunny"},
+    ]
+    body = {"model": BASE, "messages": history, "tools": TOOLS, "chat_template": TOOL_TEMPLATE}
+    rendered = httpx.post(f"{server.url}/tokenize", json=body, timeout=60).json()
+    text = tokenizer.decode(rendered["tokens"])
+    assert text.startswith("[tool get_weather][tool ping]<s>user: weather in Paris?")
+    assert "[call get_weather city=Paris]" in text and "<s>tool: sunny[answers call_7]" in text
+    reply = api(server).chat.completions.create(
+        model=BASE, messages=history, tools=TOOLS, tool_choice="none", max_tokens=3, temperature=0,
+        extra_body={"chat_template": TOOL_TEMPLATE},
+    )  # fmt: skip
+    assert reply.choices[0].message.tool_calls is None and reply.usage.prompt_tokens == rendered["count"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "text"),
+    [
+        ({"tools": TOOLS}, "tool_choice", "'auto'"),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "parser"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "must be"),
+        ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools", "two tools"),
+        ({"tools": [{"type": "function", "function": {"name": "x", "parameters": []}}]}, "tools", "parameters"),
+        ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools", "tools[0]"),
+        ({"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}}, "response_format", "one"),
+        ({"tools": [{"function": {"name": "f", "parameters": BAD_SCHEMA}}], "tool_choice": NAMED_F}, "tools", "JSON"),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]},
+            "messages",
+            "arguments",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_tool_requests_are_400s_naming_the_field(server, body, param, text):
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        response = http.post("/v1/chat/completions", json={"model": BASE, "messages": MESSAGES, **body})
+        assert_openai_error(response, 400, param, text)
+        assert http.post("/v1/completions", json={"model": "sql", "prompt": "x", "max_tokens": 2}).is_success
