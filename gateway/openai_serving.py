@@ -43,7 +43,7 @@ from gateway.openai_format import (
 from gateway.prompt_encoder import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.request_limits import RequestLimits
-from gateway.tool_calls import ToolCalling, ToolCallStream
+from gateway.tool_calls import ToolCalling
 
 ADAPTER_LOAD_HEADER = "x-loraplex-adapter-load-ms"
 ADAPTER_TIER_HEADER = "x-loraplex-adapter-tier"
@@ -346,6 +346,7 @@ class OpenAIServing:
     # ---- chat ----------------------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, raw: Request, caller: Caller):
         self.limits.check_n(body.n)
+        body.resolve_tool_calling(self.limits.tool_call_parser)
         params = body.sampling_params(body.requested_max_tokens, body.requested_logprobs, body.prompt_logprobs)
         choice = await self._choose(body, caller)
         text = await self.chat_templates.render_request(body.messages, choice.adapter_path, body)
@@ -363,7 +364,7 @@ class OpenAIServing:
         head = {"id": request_id, "object": "chat.completion", "created": now(), "model": choice.model}
         if body.prompt_logprobs is not None and choices:
             head["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs or [], self.token_text)
-        calling = body.tool_calling()
+        calling = body.calling
         messages = {index: self._message(c, calling) for index, c in choices.items()}
         return self._whole_response(
             head,
@@ -379,12 +380,12 @@ class OpenAIServing:
     def _message(c: _Choice, calling: ToolCalling | None) -> dict:
         """A choice's assistant message: its text, or the tool calls its text makes (finish reason "tool_calls" when
         they are complete; `ToolCalling.calls` for the ones cut short)."""
-        calls = calling.calls(c.text, c.finish_reason == "stop") if calling is not None else None
+        content, calls = calling.reply(c.text, c.finish_reason == "stop") if calling is not None else (c.text, None)
         if calls is None:
             return {"role": "assistant", "content": c.text}
         if c.finish_reason == "stop":
             c.finish_reason = "tool_calls"
-        return {"role": "assistant", "content": None, "tool_calls": calls}
+        return {"role": "assistant", "content": content, "tool_calls": calls}
 
     async def _chat_chunks(self, primed: Primed, generation: Generation, head: dict, body: ChatCompletionRequest):
         def chunk(index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
@@ -402,8 +403,8 @@ class OpenAIServing:
                 data["usage"] = generation.usage.to_dict()
             return sse(data)
 
-        calling = body.tool_calling()
-        tool_streams = {index: ToolCallStream(calling) for index in range(body.n)} if calling is not None else None
+        calling = body.calling
+        tool_streams = {index: calling.stream() for index in range(body.n)} if calling is not None else None
         try:
             prompt_logprobs = primed.first[1].prompt_logprobs if primed.first is not None else None
             for index in range(body.n):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from engine.interface import SamplingParams, StructuredOutputsParams
 from gateway.errors import APIError
@@ -222,6 +222,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Any] | None = None  # gateway/tool_calls.py
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    _calling: ToolCalling | None = PrivateAttr(None)  # set by resolve_tool_calling
     prompt_logprobs: int | None = None  # vLLM's: the response's `prompt_logprobs`, over the rendered prompt
     add_generation_prompt: bool = True
     chat_template: str | None = None  # vLLM's per-request override
@@ -236,35 +237,46 @@ class ChatCompletionRequest(SamplingFields):
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
-        """As SamplingFields', a range error of the logprobs count naming top_logprobs, the field chat sets it by."""
+        """As SamplingFields', a range error of the logprobs count naming top_logprobs, the field chat sets it by;
+        with tool_choice "auto", special tokens stay in the text (a model's call tags may be special tokens), as
+        vLLM's parsers ask."""
         try:
-            return super().sampling_params(max_tokens, logprobs, prompt_logprobs)
+            params = super().sampling_params(max_tokens, logprobs, prompt_logprobs)
         except APIError as e:
             if e.param != "logprobs":
                 raise
             raise APIError(400, e.message.replace("'logprobs'", "'top_logprobs'"), param="top_logprobs") from None
+        if self._calling is not None and self._calling.is_auto:
+            params.skip_special_tokens = False
+        return params
 
     @property
     def checked_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template reads them; a 400 naming what is malformed."""
         return checked_tools(self.tools)
 
-    def tool_calling(self) -> ToolCalling | None:
-        """How the reply calls a tool (None: it is text); a 400 naming tools or tool_choice where they are wrong."""
-        return tool_calling(self.checked_tools, self.tool_choice, self.parallel_tool_calls)
+    def resolve_tool_calling(self, auto_parser: str | None) -> None:
+        """Settles how the reply calls a tool (`calling`; None: it is text), given the server's parser of the model's
+        own call syntax for "auto" (None: "auto" is refused); a 400 naming tools or tool_choice where they are wrong.
+        """
+        self._calling = tool_calling(self.checked_tools, self.tool_choice, self.parallel_tool_calls, auto_parser)
+
+    @property
+    def calling(self) -> ToolCalling | None:
+        return self._calling
 
     @property
     def structured_field(self) -> str | None:
-        return "tools" if self.tool_calling() is not None else super().structured_field
+        held = self._calling is not None and self._calling.structured is not None
+        return "tools" if held else super().structured_field
 
     def structured(self) -> StructuredOutputsParams | None:
-        calling = self.tool_calling()
-        if calling is None:
+        if self._calling is None or self._calling.structured is None:  # text, or auto: the model's own syntax
             return super().structured()
         other = super().structured_field
         if other is not None:
             raise APIError(400, f"tool_choice asks for a tool call and {other} for another form: give one", param=other)
-        return calling.structured
+        return self._calling.structured
 
     @property
     def requested_max_tokens(self) -> int | None:

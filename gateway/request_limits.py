@@ -17,6 +17,7 @@ class RequestLimits:
     max_prompt_tokens: int  # resolved: the option, or the model's context length
     trust_request_chat_template: bool
     chat_template_timeout: float
+    tool_call_parser: str | None = None  # the parser of the model's call syntax for tool_choice "auto" (None: refused)
 
     @classmethod
     def of(cls, settings: ServeSettings, max_model_len: int) -> RequestLimits:
@@ -26,6 +27,7 @@ class RequestLimits:
             max_prompt_tokens=min(settings.max_prompt_tokens or max_model_len, max_model_len),
             trust_request_chat_template=settings.trust_request_chat_template,
             chat_template_timeout=settings.chat_template_timeout,
+            tool_call_parser=settings.tool_call_parser if settings.enable_auto_tool_choice else None,
         )
 
     def check_n(self, n: int) -> None:

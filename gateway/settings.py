@@ -85,6 +85,12 @@ class ServeSettings(EngineSettings):
     chat_template_timeout: float = Field(
         5.0, description="seconds a chat template may take to render before the request gets a 400"
     )
+    enable_auto_tool_choice: bool = Field(
+        False, description="serve tool_choice 'auto' (vLLM's flag; needs --tool-call-parser): the model decides"
+    )
+    tool_call_parser: Literal["hermes"] | None = Field(
+        None, description="the model's own tool-call syntax, for tool_choice 'auto': hermes (Hermes, Qwen2.5, Qwen3)"
+    )
     metrics_key: str | None = Field(
         None,
         description="credential for /metrics (a scrape-only key); the admin key works too. With neither set, "
@@ -118,6 +124,12 @@ class ServeSettings(EngineSettings):
         description="where an engine replica writes the adapters it fetches from the registry database by content "
         "digest (default $XDG_CACHE_HOME/loraplex/adapters, else ~/.cache/loraplex/adapters)",
     )
+
+    @model_validator(mode="after")
+    def _auto_tool_choice_has_a_parser(self) -> ServeSettings:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's call syntax: hermes)")
+        return self
 
     @model_validator(mode="after")
     def _default_database(self) -> ServeSettings:

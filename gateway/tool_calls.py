@@ -7,9 +7,8 @@ schema: the text is the call's `arguments`. `"required"` holds it to a JSON arra
 `parallel_tool_calls: false`). Both are vLLM's way, so they work with any model, the template told of the tools or
 not. The JSON may hold whitespace, as the model writes it: held to OpenAI's compact form, SmolLM2 picked the wrong
 function for "required" where it picks the right one free. `"none"` writes text. `"auto"`, OpenAI's default once
-tools are given, lets the model choose between text and a call: that takes a parser of each model family's own call
-syntax, which this server does not have, so it is a 400 asking for one of the others, as vLLM answers without
---enable-auto-tool-choice.
+tools are given, lets the model choose between text and a call in its own syntax: the server's --tool-call-parser
+reads it (HermesToolStream); without --enable-auto-tool-choice it is a 400 asking for one of the others, as vLLM's.
 """
 
 from __future__ import annotations
@@ -56,26 +55,44 @@ def checked_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
 
 @dataclass(frozen=True, slots=True)
 class ToolCalling:
-    """How a reply calls tools: one named function, or a required array of calls."""
+    """How a reply calls tools: one named function, a required array of calls, or (auto) the model's own call syntax
+    read by a parser."""
 
-    function: str | None  # the named function; None: "required"
-    structured: StructuredOutputsParams
+    function: str | None  # the named function
+    structured: StructuredOutputsParams | None  # what holds the reply; None: auto
+    parser: type[HermesToolStream] | None = None  # auto: the parser of the model's call syntax
 
-    def calls(self, text: str, complete: bool) -> list[dict[str, Any]] | None:
-        """The reply's text as OpenAI's tool_calls: a named function's call whatever its arguments' state (cut short
-        by max_tokens, they are cut short too, as OpenAI's are); the required calls once the array is complete (None
-        before)."""
+    @property
+    def is_auto(self) -> bool:
+        return self.parser is not None
+
+    def reply(self, text: str, complete: bool) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """(content, tool_calls) of the reply's text. A named function's call is made whatever its arguments' state
+        (cut short by max_tokens, they are cut short too, as OpenAI's are); the required calls once the array is
+        complete (text before); auto's, those the text holds whole (None: it holds none)."""
+        if self.parser is not None:
+            delta, _ = self.parser().push(text, "stop")
+            calls = [{k: v for k, v in c.items() if k != "index"} for c in (delta or {}).get("tool_calls", [])]
+            content = (delta or {}).get("content") or ""
+            return (content if content.strip() or not calls else None), (calls or None)
         if self.function is not None:
-            return [call(self.function, text)]
+            return None, [call(self.function, text)]
         if not complete:
-            return None
-        return [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+            return text, None
+        return None, [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+
+    def stream(self) -> ToolCallStream | HermesToolStream:
+        return self.parser() if self.parser is not None else ToolCallStream(self)
+
+
+def call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 class ToolCallStream:
-    """One streamed choice of a tool-calling reply: a named function's arguments go out as they are written (the
-    call's index, id, type and name with the first piece); required calls go out whole once the array is complete,
-    or as text when max_tokens cut it short."""
+    """One streamed choice of a named or required reply: a named function's arguments go out as they are written
+    (the call's index, id, type and name with the first piece); required calls go out whole once the array is
+    complete, or as text when max_tokens cut it short."""
 
     def __init__(self, calling: ToolCalling):
         self.calling, self.text, self.call_id = calling, "", new_call_id()
@@ -96,21 +113,92 @@ class ToolCallStream:
             return {"tool_calls": [piece]}, reason
         if finish_reason is None:
             return None, None
-        calls = self.calling.calls(self.text, finish_reason == "stop")
+        content, calls = self.calling.reply(self.text, finish_reason == "stop")
         if calls is None:
-            return {"content": self.text}, finish_reason
+            return {"content": content}, finish_reason
         return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, reason
 
 
-def call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+class HermesToolStream:
+    """The Hermes / Qwen call syntax (vLLM's `hermes` parser): `<tool_call>{"name": ..., "arguments": {...}}
+    </tool_call>`, any number, text around them. Text streams out as content, but for what may be the start of a
+    tag, held back until the next piece tells; each call goes out whole once its closing tag arrives. A call whose
+    JSON does not read as one stays text."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self):
+        self.buffer, self.in_call, self.num_calls = "", False, 0
+
+    def push(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any] | None, str | None]:
+        """(the delta for this piece of the reply, None: nothing to send yet; the finish reason to send)."""
+        self.buffer += text
+        content, calls = "", []
+        while True:
+            if not self.in_call:
+                at = self.buffer.find(self.OPEN)
+                if at < 0:
+                    held = _tag_prefix_len(self.buffer, self.OPEN) if finish_reason is None else 0
+                    content += self.buffer[: len(self.buffer) - held]
+                    self.buffer = self.buffer[len(self.buffer) - held :]
+                    break
+                content += self.buffer[:at]
+                self.buffer, self.in_call = self.buffer[at + len(self.OPEN) :], True
+                continue
+            at = self.buffer.find(self.CLOSE)
+            if at < 0:
+                if finish_reason is not None:  # an unclosed call: the text as written
+                    content += self.OPEN + self.buffer
+                    self.buffer = ""
+                break
+            body, self.buffer, self.in_call = self.buffer[:at], self.buffer[at + len(self.CLOSE) :], False
+            parsed = _hermes_call(body)
+            if parsed is None:
+                content += self.OPEN + body + self.CLOSE
+            else:
+                calls.append({"index": self.num_calls, **parsed})
+                self.num_calls += 1
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        reason = "tool_calls" if finish_reason == "stop" and self.num_calls else finish_reason
+        return (delta or None), reason
+
+
+def _tag_prefix_len(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (text that may yet become the tag)."""
+    for length in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0
+
+
+def _hermes_call(body: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return call(value["name"], arguments)
+
+
+TOOL_CALL_PARSERS = {"hermes": HermesToolStream}
 
 
 def tool_calling(
-    tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None, parallel_tool_calls: bool
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | dict[str, Any] | None,
+    parallel_tool_calls: bool,
+    auto_parser: str | None = None,
 ) -> ToolCalling | None:
-    """What tool_choice asks of the reply given the (checked) tools: None for text; a 400 naming the field when the
-    choice is not one this server serves or names no listed tool."""
+    """What tool_choice asks of the reply given the (checked) tools and the server's parser for "auto" (None: "auto"
+    is refused): None for text; a 400 naming the field when the choice is not one this server serves or names no
+    listed tool."""
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     if choice == "none":
         return None
@@ -122,12 +210,15 @@ def tool_calling(
             return None
         raise APIError(400, "tool_choice asks for a tool call, but no tools are given", param="tool_choice")
     if choice == "auto":
-        raise APIError(
-            400,
-            "tool_choice 'auto' (the default once tools are given) needs a parser of this model's own tool-call "
-            "syntax, which this server does not have: ask for 'required' or a named function, or 'none' for text",
-            param="tool_choice",
-        )
+        if auto_parser is None:
+            raise APIError(
+                400,
+                "tool_choice 'auto' (the default once tools are given) needs the server started with "
+                "--enable-auto-tool-choice and --tool-call-parser (the model's own call syntax): ask for 'required' "
+                "or a named function, or 'none' for text",
+                param="tool_choice",
+            )
+        return ToolCalling(None, None, TOOL_CALL_PARSERS[auto_parser])
     by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     if isinstance(choice, dict):
         function = choice.get("function")

@@ -7,6 +7,7 @@ and malformed tools are 400s naming the field. The real model calling the right 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -52,8 +53,8 @@ def api(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def calling(tool_choice, parallel: bool = True):
-    return tool_calling(checked_tools(TOOLS), tool_choice, parallel)
+def calling(tool_choice, parallel: bool = True, parser: str | None = None):
+    return tool_calling(checked_tools(TOOLS), tool_choice, parallel, parser)
 
 
 def offline_reply(tiny, tokenizer, tool_choice, max_tokens: int) -> tuple[str, str]:
@@ -175,3 +176,66 @@ def test_bad_tool_requests_are_400s_naming_the_field(server, body, param, text):
         response = http.post("/v1/chat/completions", json={"model": BASE, "messages": MESSAGES, **body})
         assert_openai_error(response, 400, param, text)
         assert http.post("/v1/completions", json={"model": "sql", "prompt": "x", "max_tokens": 2}).is_success
+
+
+HERMES_TEXT = (
+    'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    '<tool_call>{"name": "ping", "arguments": {}}</tool_call> <tool_call>{not json}</tool_call> <tool'
+)
+
+
+def test_the_hermes_parser_reads_the_same_calls_at_every_split():
+    """The text cut in two at every place (a stream's pieces): the same content and calls, tags never leaking into
+    the content except where a call does not read (bad JSON, an unclosed tag)."""
+    expected_content = "Let me look.  <tool_call>{not json}</tool_call> <tool"
+    for cut in range(len(HERMES_TEXT) + 1):
+        stream = calling("auto", parser="hermes").stream()
+        deltas = [stream.push(HERMES_TEXT[:cut], None), stream.push(HERMES_TEXT[cut:], "stop")]
+        content = "".join((d or {}).get("content", "") for d, _ in deltas)
+        calls = [c for d, _ in deltas for c in (d or {}).get("tool_calls", [])]
+        assert content == expected_content, cut
+        assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather"), (1, "ping")], cut
+        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+        assert deltas[-1][1] == "tool_calls"
+    content, calls = calling("auto", parser="hermes").reply("just text", True)
+    assert (content, calls) == ("just text", None)
+    content, calls = calling("auto", parser="hermes").reply('<tool_call>{"name": "ping"}</tool_call>', True)
+    assert content is None and calls[0]["function"] == {"name": "ping", "arguments": "{}"}
+
+
+@pytest.fixture(scope="module")
+def auto_server(tiny):
+    root, _, adapters = tiny
+    with ServerThread(settings_for(root, adapters, enable_auto_tool_choice=True, tool_call_parser="hermes")) as running:
+        yield running
+
+
+def test_auto_tool_choice_reads_the_models_calls(auto_server):
+    """With --enable-auto-tool-choice --tool-call-parser hermes, tools and no tool_choice ("auto"): a reply in the
+    Hermes syntax (here held to it by guided_regex, random weights writing nothing of the kind) comes back as
+    tool_calls, streamed and not; a reply in plain text stays text."""
+    call_text = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Tokyo"}}</tool_call>'
+    regex = re.escape(call_text)
+    client = api(auto_server)
+    reply = client.chat.completions.create(
+        model="sql", messages=MESSAGES, tools=TOOLS, max_tokens=150, temperature=0, extra_body={"guided_regex": regex}
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure. "
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Tokyo"}
+    chunks = list(
+        client.chat.completions.create(
+            model="sql", messages=MESSAGES, tools=TOOLS, max_tokens=150, temperature=0, stream=True,
+            extra_body={"guided_regex": regex},
+        )
+    )  # fmt: skip
+    pieces = [p for c in chunks if c.choices for p in c.choices[0].delta.tool_calls or []]
+    assert [(p.index, p.function.name) for p in pieces] == [(0, "get_weather")]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Sure. "
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    text = client.chat.completions.create(
+        model="sql", messages=MESSAGES, tools=TOOLS, max_tokens=10, temperature=0, extra_body={"guided_regex": "a+b"}
+    ).choices[0]
+    assert re.fullmatch("a+b", text.message.content)
+    assert text.message.tool_calls is None and text.finish_reason == "stop"
