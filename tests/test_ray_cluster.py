@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -139,6 +140,20 @@ def test_the_ingress_tokenizes_as_the_replicas_do(cluster):
         assert http.post("/detokenize", json={"tokens": counted["tokens"]}).json()["prompt"].endswith(text)
     usage = client(cluster, key).completions.create(model="a0", prompt=text, max_tokens=2).usage
     assert usage.prompt_tokens == counted["count"]  # the ingress's tokenizer is the replicas' (pickled by Ray)
+
+
+def test_structured_outputs_cross_to_the_replicas(cluster):
+    """A grammar rides the request to a replica and holds its reply there; one that does not compile is refused by
+    the replica's engine, a 400 naming the field (the error's type crosses Ray)."""
+    _, key = new_key(cluster)
+    api = client(cluster, key)
+    reply = api.completions.create(
+        model="a0", prompt="pick", max_tokens=20, temperature=0, extra_body={"guided_regex": "[a-d]{3}-[0-9]"}
+    )
+    assert re.fullmatch("[a-d]{3}-[0-9]", reply.choices[0].text) and reply.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.completions.create(model="a0", prompt="pick", max_tokens=4, extra_body={"guided_regex": "a(b"})
+    assert refused.value.body["param"] == "guided_regex" and "unclosed group" in refused.value.body["message"]
 
 
 def test_usage_is_exact_across_replicas(cluster):
