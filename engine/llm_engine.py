@@ -165,8 +165,9 @@ class LLMEngine:
             self.tokenizer, params.stop, params.skip_special_tokens, prompt_token_ids=group.prompt_token_ids
         )
         seq = Sequence(group, index, token_ids, detok)
-        if group.grammar is not None:
-            seq.matcher = self.grammars.matcher(group.grammar)
+        if group.grammar is not None:  # a fork copies its parent's, still at the start (forks precede any token)
+            first = group.seqs[0].matcher if group.seqs else None
+            seq.matcher = first.copy() if first is not None else self.grammars.matcher(group.grammar)
         group.seqs.append(seq)
         return seq
 

@@ -121,6 +121,10 @@ class GrammarMatcher:
             error = self._matcher.get_error().split("\n")[0] or "the token is not allowed here"  # then a state dump
             raise ValueError(f"token id {token_id} breaks the structured output's grammar: {error}")
 
+    def copy(self) -> GrammarMatcher:
+        """A matcher at this one's place (a fork's: 3 us, where a new one takes ~1 ms for a 30-property schema)."""
+        return GrammarMatcher(self._matcher.deep_copy())
+
     @property
     def is_done(self) -> bool:
         """The grammar is complete and admits no further token: the sequence ends here."""
