@@ -12,7 +12,7 @@ import time
 
 from adapters.ref import LoRARequest
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -42,6 +42,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     output_len = workload["output_len"]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    if workload.get("regex"):  # held to it for exactly output_len tokens: EOS banned until then, as in vLLM's driver
+        held = StructuredOutputsParams(regex=workload["regex"])
+        params = SamplingParams(
+            temperature=0.0, max_tokens=output_len, min_tokens=output_len, detokenize=False, structured_outputs=held
+        )
 
     stats = llm.engine.stats
 

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--turns", type=int, default=0, help="rounds of loraplex and vLLM taking turns, per mode (%(default)s: none)"
     )
+    parser.add_argument(
+        "--regex", help="hold every output to this regex, both engines (structured outputs), e.g. '[A-Za-z ,.]+'"
+    )
     parser.add_argument("--skip-loraplex", action="store_true", help="vLLM only")
     parser.add_argument("--json", type=Path, default=Path("bench-results/peer.json"))
     return parser
@@ -132,6 +135,7 @@ def compare(args: argparse.Namespace) -> dict:
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,
         dtype=args.dtype,
+        regex=args.regex,
     )
     pairs: list[dict[str, float]] = []
     turns: list[dict] = []
@@ -341,6 +345,8 @@ def print_summary(summary: dict) -> None:
     if summary["background_load"] and summary["background_nice"]:
         load += f", at nice {summary['background_nice']}"
     print(f"\nthreads {summary['threads']}, background load {load}")
+    if summary["workload"].get("regex"):
+        print(f"every output held to the regex {summary['workload']['regex']!r} (structured outputs)")
     print(f"{'system':<12}{'mode':<6}{'tok/s':>10}{'median s':>10}")
     for r in summary["results"]:
         print(f"{r['system_name']:<12}{r['mode']:<6}{r['output_tok_s']:>10.1f}{r['wall_s']:>10.2f}")

@@ -1,8 +1,11 @@
 """The peer comparison's workload file: one JSON that loraplex's and vLLM's drivers both read.
 
     {"model": DIR, "adapters": [[name, path], ...], "output_len": 64, "max_model_len": ..., "max_num_seqs": ...,
-     "max_lora_rank": 8, "max_loras": 8, "max_cpu_loras": 8, "dtype": "float32",
+     "max_lora_rank": 8, "max_loras": 8, "max_cpu_loras": 8, "dtype": "float32", "regex": null,
      "warmup": [[ids, adapter_index], ...], "runs": [[[ids, adapter_index], ...], ...]}
+
+With "regex" set, every request's output is held to it (structured outputs, both engines) for exactly output_len
+tokens: the regex should admit that many (e.g. `[A-Za-z ,.]+`); EOS is banned until then.
 
 Every run has fresh random prompt ids (no run can hit the other's prefix cache) and each request's adapter is
 drawn uniformly among the K adapters; the same seed gives the same file.
@@ -28,6 +31,7 @@ class PeerWorkload:
     max_loras: int | None = None  # adapter rows in each engine (None: one per adapter)
     max_cpu_loras: int | None = None  # adapters in host memory (None: every adapter)
     dtype: str = "float32"  # both engines' (the oracle's precision by default)
+    regex: str | None = None  # every output held to it (structured outputs), None: free
 
     def requests(self, vocab_size: int, num_adapters: int, run: int) -> list[tuple[list[int], int]]:
         """[(prompt ids, adapter index)] of one run; index 0 when there are no adapters."""
@@ -58,6 +62,7 @@ class PeerWorkload:
             "max_loras": rows,
             "max_cpu_loras": max(rows, self.max_cpu_loras or len(adapters)),
             "dtype": self.dtype,
+            "regex": self.regex,
             "warmup": warmup,
             "runs": [self.requests(vocab_size, len(adapters), run) for run in range(self.runs)],
         }

@@ -54,8 +54,18 @@ def main() -> None:
     llm = LLM(**options)
     loras = [LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(adapters)]
     output_len = workload["output_len"]
+    held = None
+    if workload.get("regex"):  # structured outputs (vLLM >= 0.11's StructuredOutputsParams)
+        from vllm.sampling_params import StructuredOutputsParams
+
+        held = StructuredOutputsParams(regex=workload["regex"])
     params = SamplingParams(
-        temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True, detokenize=False
+        temperature=0.0,
+        max_tokens=output_len,
+        min_tokens=output_len,
+        ignore_eos=True,
+        detokenize=False,
+        structured_outputs=held,
     )
 
     def run(requests):

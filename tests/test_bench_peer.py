@@ -473,3 +473,36 @@ def test_a_threads_cpu_is_read_to_the_nanosecond_where_the_kernel_keeps_it():
     finally:
         release.set()
         thread.join()
+
+
+def test_a_regex_holds_both_drivers_outputs_for_exactly_output_len_tokens(model, tmp_path):
+    """`bench peer --regex`: loraplex's driver generates output_len tokens a request, all under the regex (read back
+    from the engine's own text), and vLLM's is asked for the same regex with its EOS banned as long."""
+    base, adapters = model
+    held = PeerWorkload(num_prompts=5, input_len=12, output_len=6, runs=1, seed=3, regex="[a-c]+")
+    workload_file = held.write(tmp_path / "regex.json", base, adapters, 8)
+    assert json.loads(workload_file.read_text())["regex"] == "[a-c]+"
+    result = offline_driver.main(["--workload", str(workload_file), "--threads", "1"])
+    assert result["output_tokens"] == 5 * 6
+    log = tmp_path / "vllm.log"
+    env = {**os.environ, "PYTHONPATH": str(FAKE_VLLM), "FAKE_VLLM_LOG": str(log)}
+    command = [sys.executable, str(REPO / "bench" / "vllm_driver.py"), "--workload", str(workload_file)]
+    subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    params = json.loads(log.read_text().splitlines()[-1])["body"]["params"]
+    assert params["structured_outputs"] == {"regex": "[a-c]+"} and params["min_tokens"] == params["max_tokens"] == 6
+
+
+def test_the_loraplex_driver_under_a_regex_writes_what_it_admits(model, tmp_path):
+    """The driver's params, run with text on: every output is the regex's, output_len tokens long."""
+    import re
+
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+    base, _ = model
+    llm = LLM(model=str(base), device="cpu", cpu_threads=1)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=6, min_tokens=6, structured_outputs=StructuredOutputsParams(regex="[a-c]+")
+    )
+    outs = llm.generate([[5, 6, 7], [8, 9, 10, 11]], params)
+    assert all(len(o.outputs[0].token_ids) == 6 and re.fullmatch("[a-c]+", o.outputs[0].text) for o in outs)
