@@ -17,7 +17,8 @@ from engine.cpu_features import cpu_flags, half_dtype_support, has_int8_dot
 from engine.layers.greedy_head import Int8HeadLayout, Int8ScreenedGreedyHead, ScreenedGreedyHead, _quantize_rows
 from engine.llm import LLM
 from engine.sampler import NON_FINITE, Sampler, SamplingRow
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.step_forward import SPLIT_HEAD_MIN_ROWS
 from kernels.sampling import (
     UNDECIDED,
     bf16_logits,
@@ -482,6 +483,43 @@ def test_the_engine_gives_the_same_greedy_tokens_with_the_screened_head_as_witho
     llm.generate(prompts[:1], with_logprobs)
     assert not calls  # a row that reads its logits takes the full head
     runner.greedy_head = saved
+
+
+def test_greedy_rows_beside_rows_that_need_logits_take_the_screened_head_alone(llm, require_cpu_kernel):
+    """SPLIT_HEAD_MIN_ROWS greedy rows beside a sampled one, one with logprobs and one held to a regex: the greedy
+    rows' tokens come from the screened head (its steps see them alone), the others' from their own full logits;
+    every token and logprob is the one the engine gives without the screened head."""
+    llm, _ = llm
+    runner = llm.engine.runner
+    if runner.greedy_head is None:
+        pytest.skip("this CPU builds no screened head")
+    calls = []
+    tokens_of = runner.greedy_head.tokens
+    runner.greedy_head.tokens = lambda hidden: calls.append(hidden.shape[0]) or tokens_of(hidden)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    others = [
+        SamplingParams(temperature=0.9, seed=4, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2),
+        SamplingParams(
+            temperature=0.0, max_tokens=8, min_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z]+")
+        ),
+    ]
+    params = [*others, *[greedy] * SPLIT_HEAD_MIN_ROWS]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 200, (int(n),), generator=g).tolist() for n in torch.randint(2, 20, (len(params),))]
+    head = runner.greedy_head
+    try:
+        split = llm.generate(prompts, params)
+        assert calls.count(SPLIT_HEAD_MIN_ROWS) >= 7  # the decode steps screened the greedy rows apart from the rest
+        runner.greedy_head = None
+        full = llm.generate(prompts, params)
+    finally:
+        runner.greedy_head = head
+        del head.tokens
+    for ours, theirs in zip(split, full):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+    got, want = split[1].outputs[0].logprobs, full[1].outputs[0].logprobs
+    assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in want], abs=1e-5)
 
 
 def test_a_bf16_engine_gives_the_same_greedy_tokens_with_the_screened_head_as_without(
