@@ -35,6 +35,7 @@ from engine.models.arch import ModelArch
 from engine.models.llama import lora_targets
 from engine.scheduler import ScheduledBatch
 from engine.step_meta import OutputRows, StepMeta
+from engine.structured_outputs import TokenMask
 from kernels import cpu_native
 from kernels.lora import NO_ADAPTER, LoraMeta
 from kernels.lora.cpu_ops import keep_transposed
@@ -353,10 +354,18 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [S, H] -> [S] int64: the argmax of each row's fp32 logits (-1: not finite) through the screened
-        head; None without one, or where it cannot decide: then take `logits`."""
-        return None if self.greedy_head is None else self.greedy_head.tokens(hidden)
+    def greedy_tokens(self, hidden: torch.Tensor, mask: TokenMask | None = None) -> torch.Tensor | None:
+        """hidden [S, H] -> [S] int64: the argmax of each row's fp32 logits (-1: not finite), among the tokens the
+        mask allows where one is given, through the screened head; None without one, or where it cannot decide: then
+        take `logits`."""
+        if self.greedy_head is None:
+            return None
+        return self.greedy_head.tokens(hidden, mask) if mask is not None else self.greedy_head.tokens(hidden)
+
+    @property
+    def screens_masked_rows(self) -> bool:
+        """Whether `greedy_tokens` takes a grammar's mask (the bf16 screened head)."""
+        return self.greedy_head is not None and self.greedy_head.takes_masks
 
     @torch.inference_mode()
     def self_test(self) -> bool:

@@ -95,6 +95,11 @@ class Sampler:
         penalties, no min_tokens ban this step): then the tokens may come from elsewhere (`argmax_tokens`)."""
         return all(_is_plain_greedy(row.params) and not self._banned_now(row) for row in rows)
 
+    def argmax_bans(self, row: SamplingRow) -> set[int] | None:
+        """The tokens a row whose token is its logits' argmax and nothing else may not take this step (min_tokens'
+        stop tokens; a grammar's are its matcher's); None where the row reads more (sampling, penalties, logprobs)."""
+        return self._banned_now(row) if _is_plain_greedy(row.params) else None
+
     @staticmethod
     def argmax_tokens(token_ids: torch.Tensor) -> list[SampledToken]:
         """The sampled tokens of rows that want their argmax only, from token_ids [B] (NON_FINITE: no token)."""

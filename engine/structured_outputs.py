@@ -152,16 +152,27 @@ class TokenMask:
 BIT_VALUES = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)  # [8]: bit b of a byte
 
 
-def allowed_tokens(matchers: list[GrammarMatcher | None], vocab_size: int, device: torch.device) -> TokenMask | None:
-    """The TokenMask of the rows that have a matcher (None when none has)."""
-    rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
+def allowed_tokens(
+    matchers: list[GrammarMatcher | None],
+    vocab_size: int,
+    device: torch.device,
+    bans: list[set[int]] | None = None,
+) -> TokenMask | None:
+    """The TokenMask of the rows that have a matcher, or tokens banned (bans[i]: row i's, e.g. min_tokens' stop
+    tokens, refused too); None when no row has either."""
+    rows = [i for i, matcher in enumerate(matchers) if matcher is not None or (bans is not None and bans[i])]
     if not rows:
         return None
     words = (vocab_size + BITS - 1) // BITS
-    bitmask = torch.empty(len(rows), words, dtype=torch.int32)  # [C, W]
+    bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)  # [C, W]: every token allowed
     for j, i in enumerate(rows):
-        matchers[i].fill(bitmask, j)
+        if matchers[i] is not None:
+            matchers[i].fill(bitmask, j)
     # little-endian: token t is bit t % 8 of byte t // 8; unpacking bytes moves a quarter of what int32 words do
     bytes_ = bitmask.view(torch.uint8).unsqueeze(-1)  # [C, 4W, 1]
-    refused = (bytes_ & BIT_VALUES) == 0  # [C, 4W, 8]
-    return TokenMask(rows, refused.view(len(rows), words * BITS)[:, :vocab_size].to(device))  # [C, V]
+    refused = ((bytes_ & BIT_VALUES) == 0).view(len(rows), words * BITS)[:, :vocab_size]  # [C, V]
+    for j, i in enumerate(rows):
+        banned = [t for t in (bans[i] if bans is not None else ()) if 0 <= t < vocab_size]
+        if banned:
+            refused[j, banned] = True
+    return TokenMask(rows, refused.to(device))

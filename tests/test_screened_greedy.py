@@ -19,6 +19,7 @@ from engine.llm import LLM
 from engine.sampler import NON_FINITE, Sampler, SamplingRow
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.step_forward import SPLIT_HEAD_MIN_ROWS
+from engine.structured_outputs import TokenMask
 from kernels.sampling import (
     UNDECIDED,
     bf16_logits,
@@ -488,14 +489,16 @@ def test_the_engine_gives_the_same_greedy_tokens_with_the_screened_head_as_witho
 def test_greedy_rows_beside_rows_that_need_logits_take_the_screened_head_alone(llm, require_cpu_kernel):
     """SPLIT_HEAD_MIN_ROWS greedy rows beside a sampled one, one with logprobs and one held to a regex: the greedy
     rows' tokens come from the screened head (its steps see them alone), the others' from their own full logits;
-    every token and logprob is the one the engine gives without the screened head."""
+    every token and logprob is the one the engine gives without the screened head. Greedy rows held to a grammar,
+    with min_tokens' ban or without, and one with the ban alone count among the screened ones where the head takes
+    masks."""
     llm, _ = llm
     runner = llm.engine.runner
     if runner.greedy_head is None:
         pytest.skip("this CPU builds no screened head")
     calls = []
     tokens_of = runner.greedy_head.tokens
-    runner.greedy_head.tokens = lambda hidden: calls.append(hidden.shape[0]) or tokens_of(hidden)
+    runner.greedy_head.tokens = lambda hidden, *mask: calls.append(hidden.shape[0]) or tokens_of(hidden, *mask)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     others = [
         SamplingParams(temperature=0.9, seed=4, max_tokens=8, ignore_eos=True),
@@ -504,13 +507,19 @@ def test_greedy_rows_beside_rows_that_need_logits_take_the_screened_head_alone(l
             temperature=0.0, max_tokens=8, min_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z]+")
         ),
     ]
-    params = [*others, *[greedy] * SPLIT_HEAD_MIN_ROWS]
+    # greedy under a grammar: screened with its mask where the head takes masks (bf16), else with the others
+    held = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z]{8}"))
+    banned = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)  # eos refused until the 8th token
+    params = [*others, held, banned, *[greedy] * SPLIT_HEAD_MIN_ROWS]
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 200, (int(n),), generator=g).tolist() for n in torch.randint(2, 20, (len(params),))]
     head = runner.greedy_head
     try:
         split = llm.generate(prompts, params)
-        assert calls.count(SPLIT_HEAD_MIN_ROWS) >= 7  # the decode steps screened the greedy rows apart from the rest
+        # the decode steps screened the greedy rows apart from the rest; where the head takes masks, the two held to
+        # a grammar (one with min_tokens' ban) and the one with the ban alone with them while they ran
+        assert sum(SPLIT_HEAD_MIN_ROWS <= c <= SPLIT_HEAD_MIN_ROWS + 3 for c in calls) >= 7
+        assert max(calls) == SPLIT_HEAD_MIN_ROWS + (3 if head.takes_masks else 0)
         runner.greedy_head = None
         full = llm.generate(prompts, params)
     finally:
@@ -520,6 +529,29 @@ def test_greedy_rows_beside_rows_that_need_logits_take_the_screened_head_alone(l
         assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
     got, want = split[1].outputs[0].logprobs, full[1].outputs[0].logprobs
     assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in want], abs=1e-5)
+
+
+def test_the_bf16_head_screens_masked_rows_to_the_allowed_tokens_argmax(require_bf16_logits):
+    """A grammar's mask on some rows: each masked row's token is the argmax of its fp32 logits over the tokens it
+    allows, also where that is far below the row's own maximum; a row that allows nothing is left to the full head."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN packs no bf16 weights on this CPU")
+    g = torch.Generator().manual_seed(11)
+    weight = torch.randn(1003, 64, generator=g)
+    hidden = torch.randn(5, 64, generator=g) * 3
+    logits = hidden @ weight.T  # [5, V]
+    refused = torch.rand(3, 1003, generator=g) < 0.9  # [3, V]: rows 0, 2 and 4 allow a tenth of the tokens
+    refused[1, logits[2].topk(50).indices] = True  # row 2 refuses its 50 best
+    mask = TokenMask([0, 2, 4], refused)
+    head = ScreenedGreedyHead(weight)
+    expected = logits.argmax(dim=1)
+    expected[[0, 2, 4]] = logits[[0, 2, 4]].masked_fill(refused, -torch.inf).argmax(dim=1)
+    assert head.tokens(hidden, mask).tolist() == expected.tolist()
+    assert expected[2] != logits[2].argmax()
+    nothing = refused.clone()
+    nothing[1] = True
+    assert head.tokens(hidden, TokenMask([0, 2, 4], nothing)) is None
+    assert not Int8ScreenedGreedyHead.takes_masks and ScreenedGreedyHead.takes_masks
 
 
 def test_a_bf16_engine_gives_the_same_greedy_tokens_with_the_screened_head_as_without(

@@ -217,6 +217,20 @@ def test_allowed_tokens_unpacks_each_bit_to_its_token(setup):
     assert allowed == expected
 
 
+def test_bans_join_the_grammars_mask(setup):
+    """min_tokens' banned tokens are refused beside a grammar's, on rows with a grammar and without."""
+    _, llm, _, tokenizer = setup
+    compiler = GrammarCompiler(tokenizer, llm.engine.runner.arch.vocab_size, {EOS})
+    matcher = compiler.matcher(compiler.compile(StructuredOutputsParams(regex="[a-z]+")))
+    vocab = compiler.vocab_size
+    mask = allowed_tokens([None, matcher, None], vocab, torch.device("cpu"), [{EOS, 7}, {9}, set()])
+    assert mask.rows == [0, 1]
+    assert set(mask.refused[0].nonzero().squeeze(1).tolist()) == {EOS, 7}
+    grammar_only = allowed_tokens([matcher], vocab, torch.device("cpu")).refused[0]
+    assert mask.refused[1].tolist() == grammar_only.index_fill(0, torch.tensor([9]), True).tolist()
+    assert allowed_tokens([None], vocab, torch.device("cpu"), [set()]) is None
+
+
 def test_a_token_the_grammar_refuses_fails_that_request_alone(setup, monkeypatch):
     """Were the sampler to give a token outside the grammar (a bug), that request fails with a message naming the
     grammar, and the request beside it finishes."""

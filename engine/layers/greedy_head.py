@@ -32,6 +32,7 @@ import logging
 import torch
 
 from engine.layers.packed_linear import panel_ops_for_weight
+from engine.structured_outputs import TokenMask
 from kernels.sampling import (
     UNDECIDED,
     bf16_logits,
@@ -67,6 +68,9 @@ INT8_GEMV_ROWS = 16
 # int8 head's time per token in the engine against the full fp32 head's at 1 / 4 / 8 / 16 streams: W1 0.73 / - /
 # 0.95 / 1.05, the demo's SmolLM2 0.89 / 0.91 / 1.01 / 1.05.
 AVX2_MAX_ROWS = 8
+# What a token a grammar refuses gets as its bf16 logit before the bf16 screen: finite (an infinity makes the screen
+# give up on the row), and so low that with its bound (2^-7 of it) it stays below any real logit's.
+MASKED_APPROX = -3.0e38
 
 
 class ScreenedGreedyHead:
@@ -97,14 +101,23 @@ class ScreenedGreedyHead:
         """Whether steps of up to GEMV_ROWS rows go to the int8 screen (or will, once it has calibrated)."""
         return self.few_rows is not None and not self.few_rows.off
 
-    def tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [B, H] fp32 -> [B] int64 greedy tokens (-1: the row's logits are not finite); None when the bf16
-        screen cannot decide (its logits overflowed) or the kernel is missing: the caller computes full logits."""
-        if hidden.shape[0] <= GEMV_ROWS and self.int8_few_rows:
+    takes_masks = True  # `tokens` takes a structured output's TokenMask
+
+    def tokens(self, hidden: torch.Tensor, mask: TokenMask | None = None) -> torch.Tensor | None:
+        """hidden [B, H] fp32 -> [B] int64 greedy tokens (-1: the row's logits are not finite); mask: tokens refused
+        to some rows (a grammar's), whose bf16 logits are set to MASKED_APPROX before the screen, which then keeps
+        none of them (a_i + bound_i lies far below any allowed token's a_i - bound_i): the argmax of the allowed
+        tokens' fp32 logits. None when the bf16 screen cannot decide (its logits overflowed), a row refuses every
+        token, or the kernel is missing: the caller computes full logits."""
+        if mask is not None and bool(mask.refused.all(dim=1).any()):
+            return None  # no token allowed: the full logits' path fails the row
+        if hidden.shape[0] <= GEMV_ROWS and self.int8_few_rows and mask is None:
             token_ids = self.few_rows.tokens(hidden)  # None until calibrated, or where int8 cannot decide
             if token_ids is not None:
                 return token_ids
-        approx = self.approx_logits(hidden.to(torch.bfloat16).contiguous())
+        approx = self.approx_logits(hidden.to(torch.bfloat16).contiguous())  # [B, V]
+        if mask is not None:
+            approx[mask.rows] = approx[mask.rows].masked_fill_(mask.refused, MASKED_APPROX)
         token_ids = screened_greedy_tokens(approx, hidden.contiguous(), self.weight, self.row_norms)  # [B]
         if token_ids is None or bool((token_ids == UNDECIDED).any()):
             return None
@@ -134,6 +147,8 @@ class Int8ScreenedGreedyHead:
     beside the int8 one) by trying EXACT_CHANNEL_SHARES of them on those rows, and keeps the layout with the least
     estimated cost; where none costs under half the fp32 head's, the screen turns itself off (the full head, logged).
     Exact whatever the rows: a later outlier costs candidates, never a wrong token."""
+
+    takes_masks = False  # a grammar's rows take the full logits (the int8 screen forms its logits in the kernel)
 
     def __init__(self, weight: torch.Tensor, max_rows: int | None = None, bf16_logits: bool = False):
         """weight: the LM head's [V, H] fp32 weight (bf16 for a bf16 model), before it is packed; max_rows: the most
