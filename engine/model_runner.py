@@ -358,14 +358,7 @@ class ModelRunner:
         """hidden [S, H] -> [S] int64: the argmax of each row's fp32 logits (-1: not finite), among the tokens the
         mask allows where one is given, through the screened head; None without one, or where it cannot decide: then
         take `logits`."""
-        if self.greedy_head is None:
-            return None
-        return self.greedy_head.tokens(hidden, mask) if mask is not None else self.greedy_head.tokens(hidden)
-
-    @property
-    def screens_masked_rows(self) -> bool:
-        """Whether `greedy_tokens` takes a grammar's mask (the bf16 screened head)."""
-        return self.greedy_head is not None and self.greedy_head.takes_masks
+        return None if self.greedy_head is None else self.greedy_head.tokens(hidden, mask)
 
     @torch.inference_mode()
     def self_test(self) -> bool:

@@ -45,14 +45,10 @@ def sampling_row(seq: Sequence) -> SamplingRow:
     return SamplingRow(seq.params, seq.group.prompt_token_ids, seq.output_token_ids, seq.generator)
 
 
-def _argmax_bans(sampler: Sampler, seqs: list[Sequence], masked_too: bool) -> set[int] | None:
+def _argmax_bans(sampler: Sampler, seqs: list[Sequence]) -> set[int] | None:
     """For a hidden row whose one sequence takes its logits' argmax and nothing else (no fork), the tokens it may not
-    take (min_tokens' stop tokens; its grammar's are its matcher's): those the screened head can refuse where
-    masked_too, else none of them (a grammar or a ban then takes the full logits). None: not such a row."""
-    if len(seqs) != 1 or (seqs[0].matcher is not None and not masked_too):
-        return None
-    bans = sampler.argmax_bans(sampling_row(seqs[0]))
-    return None if bans is None or (bans and not masked_too) else bans
+    take (min_tokens' stop tokens; its grammar's are its matcher's); None: not such a row."""
+    return sampler.argmax_bans(sampling_row(seqs[0])) if len(seqs) == 1 else None
 
 
 class IsolatedForward:
@@ -94,13 +90,14 @@ class IsolatedForward:
         where it pays: all of them, or at least SPLIT_HEAD_MIN_ROWS beside the others, which take the full logits
         (one sampled or constrained request among 64 greedy ones made every row's head the fp32 GEMM: 0.85 of the
         all-greedy step rate on the demo, Intel Xeon 2 cores). Greedy rows held to a grammar or banned tokens
-        (min_tokens) count among them where the head screens masked rows (bf16): 32 of the demo's held to a regex,
-        1.11x the full logits' rate."""
-        masked_too = self.runner.screens_masked_rows
-        bans = [_argmax_bans(self.sampler, seqs, masked_too) for seqs in sampling]
+        (min_tokens) count among them, the screen's kernels reading the refused tokens' bits: 32 of the demo's held
+        to a regex, 1.11x the full logits' rate."""
+        if self.runner.greedy_head is None:
+            return self._sampled(hidden, sampling)
+        bans = [_argmax_bans(self.sampler, seqs) for seqs in sampling]
         plain = [j for j, banned in enumerate(bans) if banned is not None]
         if len(plain) == len(sampling) or len(plain) >= SPLIT_HEAD_MIN_ROWS:
-            # what the plain rows' grammars and bans refuse (only where the bf16 screen masks its logits)
+            # what the plain rows' grammars and bans refuse: the screen's kernel never takes those as candidates
             matchers = [sampling[j][0].matcher for j in plain]
             mask = allowed_tokens(matchers, self.runner.arch.vocab_size, hidden.device, [bans[j] for j in plain])
             plain_hidden = hidden if len(plain) == len(sampling) else hidden[plain]  # [P, H]

@@ -133,11 +133,31 @@ class GrammarMatcher:
 
 @dataclass(slots=True)
 class TokenMask:
-    """What the grammars of a step's constrained rows refuse: rows [C] (indices into the step's sampling rows, in
-    order) and refused [C, V] bool."""
+    """What the grammars (and bans) of a step's constrained rows refuse: rows [C] (indices into the step's sampling
+    rows, in order) and words [C, W] int32 on the host, llguidance's layout (bit t % 32 of word t // 32 set where
+    the row may take token t), which the screened head's kernel reads as they are; `refused` unpacks them."""
 
     rows: list[int]
-    refused: torch.Tensor
+    words: torch.Tensor
+    vocab_size: int
+    device: torch.device
+    _refused: torch.Tensor | None = None
+
+    @property
+    def refused(self) -> torch.Tensor:
+        """[C, V] bool on the device: True where the row may not take the token."""
+        if self._refused is None:
+            # little-endian: token t is bit t % 8 of byte t // 8; unpacking bytes moves a quarter of what words do
+            bytes_ = self.words.view(torch.uint8).unsqueeze(-1)  # [C, 4W, 1]
+            refused = (bytes_ & BIT_VALUES) == 0  # [C, 4W, 8]
+            self._refused = refused.view(len(self.rows), -1)[:, : self.vocab_size].to(self.device)
+        return self._refused
+
+    def refuses_everything(self) -> bool:
+        """Whether some row allows no token at all."""
+        tail = self.vocab_size % BITS
+        last = self.words[:, -1] & ((1 << tail) - 1) if tail else self.words[:, -1]
+        return bool(((self.words[:, :-1] == 0).all(dim=1) & (last == 0)).any())
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] with -inf where a row's grammar refuses the token (a new tensor; logits are left as they
@@ -163,16 +183,11 @@ def allowed_tokens(
     rows = [i for i, matcher in enumerate(matchers) if matcher is not None or (bans is not None and bans[i])]
     if not rows:
         return None
-    words = (vocab_size + BITS - 1) // BITS
-    bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)  # [C, W]: every token allowed
+    words = torch.full((len(rows), (vocab_size + BITS - 1) // BITS), -1, dtype=torch.int32)  # [C, W]: all allowed
     for j, i in enumerate(rows):
         if matchers[i] is not None:
-            matchers[i].fill(bitmask, j)
-    # little-endian: token t is bit t % 8 of byte t // 8; unpacking bytes moves a quarter of what int32 words do
-    bytes_ = bitmask.view(torch.uint8).unsqueeze(-1)  # [C, 4W, 1]
-    refused = ((bytes_ & BIT_VALUES) == 0).view(len(rows), words * BITS)[:, :vocab_size]  # [C, V]
-    for j, i in enumerate(rows):
-        banned = [t for t in (bans[i] if bans is not None else ()) if 0 <= t < vocab_size]
-        if banned:
-            refused[j, banned] = True
-    return TokenMask(rows, refused.to(device))
+            matchers[i].fill(words, j)
+        for t in bans[i] if bans is not None else ():
+            if 0 <= t < vocab_size:
+                words[j, t // BITS] = int(words[j, t // BITS]) & ~(1 << (t % BITS))  # two's complement: stays int32
+    return TokenMask(rows, words, vocab_size, device)

@@ -1,6 +1,7 @@
 """`LORAPLEX_CPU_MARCH=x86-64-v3 python -m tests.int8_avx2_check` checks the int8 GEMV's AVX2 path (built where the
 compiler's target has AVX2 and no AVX512-VNNI): its dot products are exactly those of the rows quantized as the int8
-head quantizes them, and the int8 screen's tokens at a few rows are the fp32 argmax. Run in a process of its own by
+head quantizes them, and the int8 screen's tokens at a few rows are the fp32 argmax (over a grammar's allowed tokens
+too). Run in a process of its own by
 tests/test_screened_greedy.py, as the tests' own process has the kernels built for this CPU. Exits 0 when all hold."""
 
 from __future__ import annotations
@@ -37,6 +38,17 @@ def main() -> None:
         for at_a_time in (1, 3, 16):
             tokens = torch.cat([layout.screen(rows)[0] for rows in hidden.split(at_a_time)])
             assert torch.equal(tokens, exact), (exact_channels, at_a_time)
+    # a grammar's mask (the kernel's 8-lane words): the argmax of the allowed tokens, far below the rows' own best
+    logits = hidden.double() @ weight.double().T  # [16, V]
+    refused = torch.rand(16, 4000, generator=g) < 0.8
+    refused[torch.arange(16), exact] = True
+    allowed = torch.zeros(16, 125, dtype=torch.int64)
+    for t in range(4000):
+        allowed[:, t // 32] |= (~refused[:, t]).long() << (t % 32)
+    allowed = torch.where(allowed >= 2**31, allowed - 2**32, allowed).to(torch.int32)
+    masked = logits.masked_fill(refused, -torch.inf).argmax(dim=-1)
+    layout = Int8HeadLayout(weight, torch.tensor([3, 11, 40]))
+    assert torch.equal(layout.screen(hidden, allowed=allowed)[0], masked)
     print("int8 GEMV, AVX2 build: ok")
 
 

@@ -464,7 +464,7 @@ def test_the_engine_gives_the_same_greedy_tokens_with_the_screened_head_as_witho
         runner.greedy_head.layout = Int8HeadLayout(runner.greedy_head.weight, torch.tensor([1, 17]))
     calls = []
     tokens_of = runner.greedy_head.tokens
-    runner.greedy_head.tokens = lambda hidden: calls.append(hidden.shape[0]) or tokens_of(hidden)
+    runner.greedy_head.tokens = lambda hidden, mask=None: calls.append(hidden.shape[0]) or tokens_of(hidden, mask)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -490,15 +490,14 @@ def test_greedy_rows_beside_rows_that_need_logits_take_the_screened_head_alone(l
     """SPLIT_HEAD_MIN_ROWS greedy rows beside a sampled one, one with logprobs and one held to a regex: the greedy
     rows' tokens come from the screened head (its steps see them alone), the others' from their own full logits;
     every token and logprob is the one the engine gives without the screened head. Greedy rows held to a grammar,
-    with min_tokens' ban or without, and one with the ban alone count among the screened ones where the head takes
-    masks."""
+    with min_tokens' ban or without, and one with the ban alone count among the screened ones."""
     llm, _ = llm
     runner = llm.engine.runner
     if runner.greedy_head is None:
         pytest.skip("this CPU builds no screened head")
     calls = []
     tokens_of = runner.greedy_head.tokens
-    runner.greedy_head.tokens = lambda hidden, *mask: calls.append(hidden.shape[0]) or tokens_of(hidden, *mask)
+    runner.greedy_head.tokens = lambda hidden, mask=None: calls.append(hidden.shape[0]) or tokens_of(hidden, mask)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     others = [
         SamplingParams(temperature=0.9, seed=4, max_tokens=8, ignore_eos=True),
@@ -507,7 +506,7 @@ def test_greedy_rows_beside_rows_that_need_logits_take_the_screened_head_alone(l
             temperature=0.0, max_tokens=8, min_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z]+")
         ),
     ]
-    # greedy under a grammar: screened with its mask where the head takes masks (bf16), else with the others
+    # greedy under a grammar: screened with its mask
     held = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z]{8}"))
     banned = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)  # eos refused until the 8th token
     params = [*others, held, banned, *[greedy] * SPLIT_HEAD_MIN_ROWS]
@@ -516,10 +515,10 @@ def test_greedy_rows_beside_rows_that_need_logits_take_the_screened_head_alone(l
     head = runner.greedy_head
     try:
         split = llm.generate(prompts, params)
-        # the decode steps screened the greedy rows apart from the rest; where the head takes masks, the two held to
-        # a grammar (one with min_tokens' ban) and the one with the ban alone with them while they ran
+        # the decode steps screened the greedy rows apart from the rest, the two held to a grammar (one with
+        # min_tokens' ban) and the one with the ban alone with them while they ran
         assert sum(SPLIT_HEAD_MIN_ROWS <= c <= SPLIT_HEAD_MIN_ROWS + 3 for c in calls) >= 7
-        assert max(calls) == SPLIT_HEAD_MIN_ROWS + (3 if head.takes_masks else 0)
+        assert max(calls) == SPLIT_HEAD_MIN_ROWS + 3
         runner.greedy_head = None
         full = llm.generate(prompts, params)
     finally:
@@ -531,9 +530,20 @@ def test_greedy_rows_beside_rows_that_need_logits_take_the_screened_head_alone(l
     assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in want], abs=1e-5)
 
 
-def test_the_bf16_head_screens_masked_rows_to_the_allowed_tokens_argmax(require_bf16_logits):
-    """A grammar's mask on some rows: each masked row's token is the argmax of its fp32 logits over the tokens it
-    allows, also where that is far below the row's own maximum; a row that allows nothing is left to the full head."""
+def packed_mask(rows: list[int], refused: torch.Tensor) -> TokenMask:
+    """refused [C, V] bool as a TokenMask: bit t % 32 of word t // 32 set where token t is allowed."""
+    vocab = refused.shape[1]
+    words = torch.zeros(len(rows), (vocab + 31) // 32, dtype=torch.int64)
+    for t in range(vocab):
+        words[:, t // 32] |= (~refused[:, t]).long() << (t % 32)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return TokenMask(rows, words, vocab, torch.device("cpu"))
+
+
+def test_the_heads_screen_masked_rows_to_the_allowed_tokens_argmax(require_bf16_logits):
+    """A grammar's mask on some rows, the bf16 head and the int8 one: each masked row's token is the argmax of its fp32
+    logits over the tokens it allows, also where that is far below the row's own maximum; a row that allows nothing
+    is left to the full head."""
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("oneDNN packs no bf16 weights on this CPU")
     g = torch.Generator().manual_seed(11)
@@ -542,7 +552,7 @@ def test_the_bf16_head_screens_masked_rows_to_the_allowed_tokens_argmax(require_
     logits = hidden @ weight.T  # [5, V]
     refused = torch.rand(3, 1003, generator=g) < 0.9  # [3, V]: rows 0, 2 and 4 allow a tenth of the tokens
     refused[1, logits[2].topk(50).indices] = True  # row 2 refuses its 50 best
-    mask = TokenMask([0, 2, 4], refused)
+    mask = packed_mask([0, 2, 4], refused)
     head = ScreenedGreedyHead(weight)
     expected = logits.argmax(dim=1)
     expected[[0, 2, 4]] = logits[[0, 2, 4]].masked_fill(refused, -torch.inf).argmax(dim=1)
@@ -550,8 +560,12 @@ def test_the_bf16_head_screens_masked_rows_to_the_allowed_tokens_argmax(require_
     assert expected[2] != logits[2].argmax()
     nothing = refused.clone()
     nothing[1] = True
-    assert head.tokens(hidden, TokenMask([0, 2, 4], nothing)) is None
-    assert not Int8ScreenedGreedyHead.takes_masks and ScreenedGreedyHead.takes_masks
+    assert head.tokens(hidden, packed_mask([0, 2, 4], nothing)) is None
+    assert (packed_mask([1], refused[:1]).refused == refused[:1]).all()  # the layout the kernel reads, round trip
+    int8_head = Int8ScreenedGreedyHead(weight)
+    int8_head.layout = Int8HeadLayout(int8_head.weight, torch.tensor([1, 17]))  # screen every call, two exact channels
+    assert int8_head.tokens(hidden, mask).tolist() == expected.tolist()
+    assert int8_head.tokens(hidden, packed_mask([0, 2, 4], nothing)) is None
 
 
 def test_a_bf16_engine_gives_the_same_greedy_tokens_with_the_screened_head_as_without(
@@ -574,8 +588,8 @@ def test_a_bf16_engine_gives_the_same_greedy_tokens_with_the_screened_head_as_wi
     screened_rows = []
     tokens_of = head.tokens
 
-    def counted(hidden: torch.Tensor) -> torch.Tensor | None:
-        token_ids = tokens_of(hidden)
+    def counted(hidden: torch.Tensor, mask=None) -> torch.Tensor | None:
+        token_ids = tokens_of(hidden, mask)
         if token_ids is not None:
             screened_rows.append(hidden.shape[0])
         return token_ids

@@ -68,9 +68,6 @@ INT8_GEMV_ROWS = 16
 # int8 head's time per token in the engine against the full fp32 head's at 1 / 4 / 8 / 16 streams: W1 0.73 / - /
 # 0.95 / 1.05, the demo's SmolLM2 0.89 / 0.91 / 1.01 / 1.05.
 AVX2_MAX_ROWS = 8
-# What a token a grammar refuses gets as its bf16 logit before the bf16 screen: finite (an infinity makes the screen
-# give up on the row), and so low that with its bound (2^-7 of it) it stays below any real logit's.
-MASKED_APPROX = -3.0e38
 
 
 class ScreenedGreedyHead:
@@ -101,24 +98,20 @@ class ScreenedGreedyHead:
         """Whether steps of up to GEMV_ROWS rows go to the int8 screen (or will, once it has calibrated)."""
         return self.few_rows is not None and not self.few_rows.off
 
-    takes_masks = True  # `tokens` takes a structured output's TokenMask
-
     def tokens(self, hidden: torch.Tensor, mask: TokenMask | None = None) -> torch.Tensor | None:
         """hidden [B, H] fp32 -> [B] int64 greedy tokens (-1: the row's logits are not finite); mask: tokens refused
-        to some rows (a grammar's), whose bf16 logits are set to MASKED_APPROX before the screen, which then keeps
-        none of them (a_i + bound_i lies far below any allowed token's a_i - bound_i): the argmax of the allowed
+        to some rows (a grammar's), which the screen's kernel never takes as candidates: the argmax of the allowed
         tokens' fp32 logits. None when the bf16 screen cannot decide (its logits overflowed), a row refuses every
         token, or the kernel is missing: the caller computes full logits."""
-        if mask is not None and bool(mask.refused.all(dim=1).any()):
+        if mask is not None and mask.refuses_everything():
             return None  # no token allowed: the full logits' path fails the row
-        if hidden.shape[0] <= GEMV_ROWS and self.int8_few_rows and mask is None:
-            token_ids = self.few_rows.tokens(hidden)  # None until calibrated, or where int8 cannot decide
+        allowed = allowed_words(mask, hidden.shape[0])
+        if hidden.shape[0] <= GEMV_ROWS and self.int8_few_rows:
+            token_ids = self.few_rows.tokens(hidden, mask)  # None until calibrated, or where int8 cannot decide
             if token_ids is not None:
                 return token_ids
         approx = self.approx_logits(hidden.to(torch.bfloat16).contiguous())  # [B, V]
-        if mask is not None:
-            approx[mask.rows] = approx[mask.rows].masked_fill_(mask.refused, MASKED_APPROX)
-        token_ids = screened_greedy_tokens(approx, hidden.contiguous(), self.weight, self.row_norms)  # [B]
+        token_ids = screened_greedy_tokens(approx, hidden.contiguous(), self.weight, self.row_norms, allowed)  # [B]
         if token_ids is None or bool((token_ids == UNDECIDED).any()):
             return None
         return token_ids
@@ -148,8 +141,6 @@ class Int8ScreenedGreedyHead:
     estimated cost; where none costs under half the fp32 head's, the screen turns itself off (the full head, logged).
     Exact whatever the rows: a later outlier costs candidates, never a wrong token."""
 
-    takes_masks = False  # a grammar's rows take the full logits (the int8 screen forms its logits in the kernel)
-
     def __init__(self, weight: torch.Tensor, max_rows: int | None = None, bf16_logits: bool = False):
         """weight: the LM head's [V, H] fp32 weight (bf16 for a bf16 model), before it is packed; max_rows: the most
         hidden rows a call screens (more: None, the full head), where only the one-pass GEMV pays (a CPU without
@@ -172,17 +163,20 @@ class Int8ScreenedGreedyHead:
         (kernels/sampling/csrc/screened_greedy_cpu.cpp)."""
         return cls(weight, max_rows=GEMV_ROWS, bf16_logits=True)
 
-    def tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def tokens(self, hidden: torch.Tensor, mask: TokenMask | None = None) -> torch.Tensor | None:
         """hidden [B, H] fp32 (bf16 for a bf16 model's head) -> [B] int64 greedy tokens (-1: the row's logits are not
-        finite); None when the screen is not calibrated yet or off, cannot decide (the head holds a NaN or an
-        infinity), or the kernel is missing: the caller computes full logits."""
+        finite), among the tokens the mask allows where one is given (the kernel never takes a refused one as a
+        candidate); None when the screen is not calibrated yet or off, cannot decide (the head holds a NaN or an
+        infinity), a row refuses every token, or the kernel is missing: the caller computes full logits."""
         if self.max_rows is not None and hidden.shape[0] > self.max_rows:
+            return None
+        if mask is not None and mask.refuses_everything():
             return None
         hidden = hidden.float()  # [B, H]; a bf16 model's rows exactly
         self.gather(hidden)
         if self.layout is None:
             return None
-        screened = self.layout.screen(hidden, self.bf16_logits)
+        screened = self.layout.screen(hidden, self.bf16_logits, allowed_words(mask, hidden.shape[0]))
         if screened is None or bool((screened[0] == UNDECIDED).any()):
             return None
         return screened[0]
@@ -258,9 +252,12 @@ class Int8HeadLayout:
         self.one_pass = int8_logits_available()  # kernels/sampling's int8_logits, up to INT8_GEMV_ROWS rows
         self.exact_t = weight.index_select(1, exact_channels).t().float().contiguous()  # [m, V] fp32
 
-    def screen(self, hidden: torch.Tensor, bf16_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def screen(
+        self, hidden: torch.Tensor, bf16_logits: bool = False, allowed: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """hidden [B, H] fp32 -> ([B] tokens, [B] candidates a row) from kernels/sampling's int8 screen (bf16_logits:
-        the argmax of the logits rounded to bf16, a bf16 model's head)."""
+        the argmax of the logits rounded to bf16, a bf16 model's head; allowed: [B, W] words of the tokens each row
+        may take, `allowed_words`)."""
         hidden = hidden.contiguous()
         split = self.exact_channels.numel() > 0
         if hidden.shape[0] <= INT8_GEMV_ROWS and self.one_pass:  # one C++ call: quantize, one pass over the head
@@ -272,7 +269,19 @@ class Int8HeadLayout:
             dots = torch._int_mm(quantized.to(torch.int8), self.quantized_t)  # [B, V] int32, exact
             hidden_terms = torch.stack([scale, error, part.norm(dim=1)], dim=1)  # [B, 3]
         exact = hidden.index_select(1, self.exact_channels) @ self.exact_t if split else None  # [B, V]
-        return screened_greedy_tokens_int8(dots, exact, hidden, hidden_terms, self.weight, self.terms, bf16_logits)
+        return screened_greedy_tokens_int8(
+            dots, exact, hidden, hidden_terms, self.weight, self.terms, bf16_logits, allowed
+        )
+
+
+def allowed_words(mask: TokenMask | None, num_rows: int) -> torch.Tensor | None:
+    """The screen kernels' allowed words [num_rows, W] int32 of a mask over some of the rows (the others allow every
+    token); None without a mask."""
+    if mask is None or len(mask.rows) == num_rows:
+        return None if mask is None else mask.words
+    words = torch.full((num_rows, mask.words.shape[1]), -1, dtype=torch.int32)  # [B, W]
+    words[mask.rows] = mask.words
+    return words
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

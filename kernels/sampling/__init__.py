@@ -50,15 +50,21 @@ def int8_logits(
 
 
 def screened_greedy_tokens(
-    approx: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, row_norms: torch.Tensor
+    approx: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    row_norms: torch.Tensor,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The argmax of each row of the fp32 logits hidden @ weight.T, from approx, the same logits computed in bf16:
     only tokens whose fp32 logit can still be the row's maximum (given bf16's error bound) are computed in fp32.
-    approx [B, V] bf16 · hidden [B, H] fp32 · weight [V, H] fp32 (contiguous) · row_norms [V]: |weight[v]|.
+    approx [B, V] bf16 · hidden [B, H] fp32 · weight [V, H] fp32 (contiguous) · row_norms [V]: |weight[v]|;
+    allowed [B, ceil(V / 32)] int32 or None: bit v % 32 of word v // 32 set where the row may take token v (the
+    argmax is then over those; a row must allow one).
     Returns [B] int64: a token, -1 where the logits are not finite, UNDECIDED where approx is not; None without the
     C++ kernels."""
     native = cpu_native.load()
-    return None if native is None else native.screened_greedy_cpu(approx, hidden, weight, row_norms)
+    return None if native is None else native.screened_greedy_cpu(approx, hidden, weight, row_norms, allowed)
 
 
 def screened_greedy_tokens_int8(
@@ -69,6 +75,7 @@ def screened_greedy_tokens_int8(
     weight: torch.Tensor,
     weight_terms: torch.Tensor,
     bf16_logits: bool = False,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The argmax of each row of the fp32 logits hidden @ weight.T, screened by int8: the hidden channels split into
     a few taken exactly (their part of the logits, `exact`) and the rest quantized, hidden = s_h q_h + e_h and
@@ -80,8 +87,11 @@ def screened_greedy_tokens_int8(
     Returns ([B] int64 tokens: -1 where the logits are not finite, UNDECIDED where the screen is not; [B] int64: how
     many tokens of each row were computed in fp32); None without the C++ kernels.
     bf16_logits: a bf16 model's head (hidden and weight hold bf16 values): the argmax of its logits rounded to bf16,
-    the first of the ties that rounding makes, as the argmax of the model's own bf16 logits."""
+    the first of the ties that rounding makes, as the argmax of the model's own bf16 logits. allowed: as for
+    screened_greedy_tokens."""
     native = cpu_native.load()
     if native is None:
         return None
-    return native.screened_greedy_int8_cpu(dots, exact, hidden, hidden_terms, weight, weight_terms, bf16_logits)
+    return native.screened_greedy_int8_cpu(
+        dots, exact, hidden, hidden_terms, weight, weight_terms, bf16_logits, allowed
+    )

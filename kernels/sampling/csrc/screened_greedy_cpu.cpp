@@ -39,6 +39,10 @@
 //   The tokens: each row's; -1 where a candidate's fp32 logit is NaN or infinite (the row's logits are not finite);
 //   -2 where the screen cannot tell (an approximate logit is NaN or infinite): the caller then computes the full
 //   logits.
+//   allowed (either screen): [B, ceil(V / 32)] int32, bit i % 32 of word i / 32 set where row b may take token i
+//   (a grammar's mask, llguidance's layout): a refused token screens as kRefused, finite and so low that with its
+//   bound it lies below any allowed token's a_i - bound_i, so it is never a candidate and the token is the argmax of
+//   the allowed tokens' fp32 logits. A row that allows no token gets any of them: the caller keeps such rows out.
 
 #include "cpu_vec.h"
 
@@ -66,6 +70,8 @@ constexpr float kInt8Slack = 1.0625f;  // int8: the margin on the Cauchy-Schwarz
 constexpr float kInt8OutputBound = 1.f / (1 << 20);  // int8: the approximate logit's float products, with margin
 constexpr float kUlp = 1.f / (1 << 24);
 constexpr float kBf16TieMargin = 1.f / 64;  // bf16 logits: 2^-6, above the 1.5 2^-7 a tie can lie below
+
+constexpr float kRefused = -3.0e38f;  // a refused token's approximate logit: finite, its bound 2^-7 of it at most
 
 // a . b in fp32, b float32 or bfloat16 (widened: the products of bf16 values are exact in fp32).
 template <typename W>
@@ -121,6 +127,43 @@ struct Int8Screen {
     return c_error * w_error[i] + c_quantized * w_quantized[i] + c_norm * w_norm[i] + kInt8OutputBound * std::abs(a);
   }
 };
+
+// A screen whose refused tokens (allowed's bit clear) screen as kRefused (see the top of the file). value(i) takes
+// i a multiple of the lanes (8 or 16), whose bits then lie in one word.
+template <class Inner>
+struct MaskedScreen {
+  Inner inner;
+  const int32_t* allowed;  // [ceil(V / 32)] words
+
+  static constexpr uint32_t kAll = (Vec::size() >= 32) ? ~0u : (1u << Vec::size()) - 1;
+
+  uint32_t lane_bits(int64_t i) const { return (static_cast<uint32_t>(allowed[i >> 5]) >> (i & 31)) & kAll; }
+  Vec value(int64_t i) const {
+    const uint32_t bits = lane_bits(i);
+    if (bits == 0) return Vec(kRefused);
+    const Vec a = inner.value(i);
+    if (bits == kAll) return a;
+    float lane[Vec::size()];
+    a.store(lane);
+    for (int64_t l = 0; l < Vec::size(); ++l)
+      if (!(bits >> l & 1)) lane[l] = kRefused;
+    return Vec::loadu(lane);
+  }
+  float value1(int64_t i) const {
+    return (static_cast<uint32_t>(allowed[i >> 5]) >> (i & 31) & 1) ? inner.value1(i) : kRefused;
+  }
+  Vec bound(int64_t i, const Vec& a) const { return inner.bound(i, a); }
+  float bound1(int64_t i, float a) const { return inner.bound1(i, a); }
+};
+
+// allowed [B, ceil(V / 32)] int32, or none (checked).
+const int32_t* allowed_words(const std::optional<at::Tensor>& allowed, int64_t num_rows, int64_t vocab) {
+  if (!allowed.has_value()) return nullptr;
+  TORCH_CHECK(allowed->dim() == 2 && allowed->scalar_type() == at::kInt && allowed->is_contiguous() &&
+                  allowed->size(0) == num_rows && allowed->size(1) == (vocab + 31) / 32,
+              "allowed: contiguous [", num_rows, ", ", (vocab + 31) / 32, "] int32");
+  return allowed->data_ptr<int32_t>();
+}
 
 // The first token of the row's largest fp32 logit among the screen's candidates (see the top of the file); adds the
 // number of candidates to *candidates. bf16_logits: of the largest fp32 logit rounded to bf16, ties taken in.
@@ -194,6 +237,22 @@ void screen_rows(int64_t num_rows, const float* h, int64_t h_stride, int64_t dim
   });
 }
 
+// Screens the rows as screen_rows does, each row's screen masked by its allowed words where there are any.
+template <class MakeScreen, typename W>
+void screen_rows_masked(int64_t num_rows, const float* h, int64_t h_stride, int64_t dim, const W* weight,
+                        int64_t vocab, const MakeScreen& make_screen, const int32_t* allowed, int64_t* tokens,
+                        int64_t* candidates, bool bf16_logits) {
+  if (allowed == nullptr) {
+    screen_rows(num_rows, h, h_stride, dim, weight, vocab, make_screen, tokens, candidates, bf16_logits);
+    return;
+  }
+  const int64_t words = (vocab + 31) / 32;
+  auto make_masked = [&](int64_t b, float h_norm) {
+    return MaskedScreen<decltype(make_screen(b, h_norm))>{make_screen(b, h_norm), allowed + b * words};
+  };
+  screen_rows(num_rows, h, h_stride, dim, weight, vocab, make_masked, tokens, candidates, bf16_logits);
+}
+
 void check_weight(const at::Tensor& weight, int64_t vocab, int64_t dim, bool bf16_too = false) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
                   (weight.scalar_type() == at::kFloat || (bf16_too && weight.scalar_type() == at::kBFloat16)),
@@ -204,7 +263,7 @@ void check_weight(const at::Tensor& weight, int64_t vocab, int64_t dim, bool bf1
 }  // namespace
 
 at::Tensor screened_greedy_cpu(const at::Tensor& approx, const at::Tensor& hidden, const at::Tensor& weight,
-                               const at::Tensor& row_norms) {
+                               const at::Tensor& row_norms, const std::optional<at::Tensor>& allowed) {
   check_rows(approx, "approx", at::kBFloat16);
   check_rows(hidden, "hidden");
   const int64_t num_rows = approx.size(0), vocab = approx.size(1), dim = hidden.size(1);
@@ -223,7 +282,8 @@ at::Tensor screened_greedy_cpu(const at::Tensor& approx, const at::Tensor& hidde
   auto make_screen = [&](int64_t b, float h_norm) {
     return Bf16Screen{a + b * a_stride, norms, kProductBound * h_norm};
   };
-  screen_rows(num_rows, h, hidden.stride(0), dim, w, vocab, make_screen, tokens, nullptr);
+  screen_rows_masked(num_rows, h, hidden.stride(0), dim, w, vocab, make_screen, allowed_words(allowed, num_rows, vocab),
+                     tokens, nullptr, false);
   return out;
 }
 
@@ -231,7 +291,8 @@ std::tuple<at::Tensor, at::Tensor> screened_greedy_int8_cpu(const at::Tensor& do
                                                              const std::optional<at::Tensor>& exact,
                                                              const at::Tensor& hidden, const at::Tensor& hidden_terms,
                                                              const at::Tensor& weight, const at::Tensor& weight_terms,
-                                                             bool bf16_logits) {
+                                                             bool bf16_logits,
+                                                             const std::optional<at::Tensor>& allowed) {
   check_rows(dots, "dots", at::kInt);
   check_rows(hidden, "hidden");
   const int64_t num_rows = dots.size(0), vocab = dots.size(1), dim = hidden.size(1);
@@ -272,17 +333,19 @@ std::tuple<at::Tensor, at::Tensor> screened_greedy_int8_cpu(const at::Tensor& do
   };
   dispatch_float_bf16(weight.scalar_type(), "weight", [&](auto tag) {
     using W = decltype(tag);
-    screen_rows(num_rows, h, hidden.stride(0), dim, weight.data_ptr<W>(), vocab, make_screen, tokens, candidates,
-                bf16_logits);
+    screen_rows_masked(num_rows, h, hidden.stride(0), dim, weight.data_ptr<W>(), vocab, make_screen,
+                       allowed_words(allowed, num_rows, vocab), tokens, candidates, bf16_logits);
   });
   return std::make_tuple(out, counts);
 }
 
 TORCH_LIBRARY_FRAGMENT(loraplex, m) {
-  m.def("screened_greedy_cpu(Tensor approx, Tensor hidden, Tensor weight, Tensor row_norms) -> Tensor");
+  m.def(
+      "screened_greedy_cpu(Tensor approx, Tensor hidden, Tensor weight, Tensor row_norms, Tensor? allowed=None) -> "
+      "Tensor");
   m.def(
       "screened_greedy_int8_cpu(Tensor dots, Tensor? exact, Tensor hidden, Tensor hidden_terms, Tensor weight, "
-      "Tensor weight_terms, bool bf16_logits=False) -> (Tensor, Tensor)");
+      "Tensor weight_terms, bool bf16_logits=False, Tensor? allowed=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(loraplex, CPU, m) {
