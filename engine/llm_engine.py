@@ -124,17 +124,17 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
         """Validates and queues a request; raises ValueError naming what is wrong with it."""
-        self.validate(request)
+        grammar = self.validate(request)
         group = SequenceGroup(request, self._arrivals)
-        if request.sampling.structured_outputs is not None:
-            group.grammar = self.grammars.compile(request.sampling.structured_outputs)
+        group.grammar = grammar
         self._arrivals += 1
         seq = self._new_seq(group, 0, list(request.prompt_token_ids))
         self.groups[request.request_id] = group
         self.scheduler.add(seq)
 
-    def validate(self, request: EngineRequest) -> None:
-        """Raises ValueError naming what is wrong with the request; changes nothing."""
+    def validate(self, request: EngineRequest) -> str | None:
+        """Raises ValueError naming what is wrong with the request; changes nothing. Returns its structured output's
+        compiled grammar (None without one)."""
         if request.lora is not None and self.adapter_cache is None:
             raise ValueError(
                 f"adapter '{request.lora.adapter_id}' requested but LoRA is not enabled (enable_lora=True)"
@@ -156,8 +156,9 @@ class LLMEngine:
                 f"this model's maximum context length is {self.max_model_len} tokens, but {num_prompt + max_tokens} "
                 f"were requested ({num_prompt} in the prompt, {max_tokens} to generate)"
             )
-        if request.sampling.structured_outputs is not None:
-            self.grammars.compile(request.sampling.structured_outputs)  # StructuredOutputError: it does not compile
+        if request.sampling.structured_outputs is None:
+            return None
+        return self.grammars.compile(request.sampling.structured_outputs)  # StructuredOutputError: it does not compile
 
     def _new_seq(self, group: SequenceGroup, index: int, token_ids: list[int]) -> Sequence:
         params = group.params

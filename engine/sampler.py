@@ -90,11 +90,6 @@ class Sampler:
             finite[random_idx] &= drawn
         return with_logprobs(logits, token_ids.masked_fill_(~finite, NON_FINITE), rows)
 
-    def wants_argmax_only(self, rows: list[SamplingRow]) -> bool:
-        """Whether every row's token is its logits' argmax and nothing else of them is read (greedy, no logprobs, no
-        penalties, no min_tokens ban this step): then the tokens may come from elsewhere (`argmax_tokens`)."""
-        return all(_is_plain_greedy(row.params) and not self._banned_now(row) for row in rows)
-
     def argmax_bans(self, row: SamplingRow) -> set[int] | None:
         """The tokens a row whose token is its logits' argmax and nothing else may not take this step (min_tokens'
         stop tokens; a grammar's are its matcher's); None where the row reads more (sampling, penalties, logprobs)."""

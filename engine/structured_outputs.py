@@ -2,13 +2,13 @@
 engine's tokenizer, and each sequence's GrammarMatcher, which names the tokens its next step may take and follows
 the tokens it takes.
 
-A step with constrained rows hands the sampler a TokenMask (`allowed_tokens`): the sampler sets the logits of the
-tokens a row's grammar refuses to -inf (`TokenMask.apply`) before anything else, so greedy and random rows alike
-pick among what the grammar allows, and the logprobs reported are those of the masked logits (as vLLM reports them).
-A sequence ends ("stop") once its grammar is complete and admits no further token. llguidance's index of the
-vocabulary (each token's bytes) is built once, on first use: 0.3-0.6 s for a 49K vocabulary on a 2-core Xeon. The
-mask of 16 rows of a 49K vocabulary takes ~1.2-1.8 ms a step (llguidance's part ~10 us a row, more on the first
-visit of a grammar state); the step also leaves the screened greedy head for the full fp32 LM head.
+A step with constrained rows builds a TokenMask (`allowed_tokens`, llguidance's bit words: ~10 us a row, more on the
+first visit of a grammar state). Greedy rows hand it to the screened head, whose kernels never take a refused token
+as a candidate; other rows hand it to the sampler, which sets the refused tokens' logits to -inf (`TokenMask.apply`)
+before anything else, so random rows too pick among what the grammar allows, and the logprobs reported are those of
+the masked logits (as vLLM reports them). A sequence ends ("stop") once its grammar is complete and admits no further
+token. llguidance's index of the vocabulary (each token's bytes) is built once, on first use: 0.3-0.6 s for a 49K
+vocabulary on a 2-core Xeon.
 """
 
 from __future__ import annotations

@@ -379,7 +379,7 @@ class OpenAIServing:
     @staticmethod
     def _message(c: _Choice, calling: ToolCalling | None) -> dict:
         """A choice's assistant message: its text, or the tool calls its text makes (finish reason "tool_calls" when
-        they are complete; `ToolCalling.calls` for the ones cut short)."""
+        they are complete; `ToolCalling.reply` for the ones cut short)."""
         content, calls = calling.reply(c.text, c.finish_reason == "stop") if calling is not None else (c.text, None)
         if calls is None:
             return {"role": "assistant", "content": c.text}

@@ -22,18 +22,14 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 def structured_field(response_format: dict[str, Any] | None, extra: dict[str, Any]) -> str | None:
     """The one field that asks for a structured output (None: none does); a 400 when several do."""
-    fields = [name for name, _ in _given(response_format, extra)]
-    if len(fields) > 1:
-        raise APIError(400, f"give one structured output, not {' and '.join(fields)}", param=fields[1])
-    return fields[0] if fields else None
+    return _the_one(response_format, extra)[0]
 
 
 def structured_outputs(response_format: dict[str, Any] | None, extra: dict[str, Any]) -> StructuredOutputsParams | None:
     """The structured output the body asks for (response_format, and the body's extra fields), or None."""
-    field = structured_field(response_format, extra)
+    field, value = _the_one(response_format, extra)
     if field is None:
         return None
-    value = dict(_given(response_format, extra))[field]
     if field == "response_format":
         options = _from_response_format(value)
     elif field == "structured_outputs":
@@ -47,15 +43,19 @@ def structured_outputs(response_format: dict[str, Any] | None, extra: dict[str, 
         raise APIError(400, f"invalid {field}: {why}", param=field) from None
 
 
-def _given(response_format: dict[str, Any] | None, extra: dict[str, Any]) -> list[tuple[str, Any]]:
-    """(field, value) of each field that asks for a structured output."""
+def _the_one(response_format: dict[str, Any] | None, extra: dict[str, Any]) -> tuple[str | None, Any]:
+    """(field, value) of the one field that asks for a structured output, (None, None) where none does; a 400 naming
+    the second where several do."""
     given = []
     if response_format is not None and response_format.get("type", "text") != "text":
         given.append(("response_format", response_format))
     for name in ("structured_outputs", *GUIDED_FIELDS):
         if extra.get(name) is not None:
             given.append((name, extra[name]))
-    return given
+    if len(given) > 1:
+        fields = [name for name, _ in given]
+        raise APIError(400, f"give one structured output, not {' and '.join(fields)}", param=fields[1])
+    return given[0] if given else (None, None)
 
 
 def _from_response_format(response_format: dict[str, Any]) -> dict[str, Any]:

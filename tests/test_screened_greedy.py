@@ -612,17 +612,18 @@ def test_a_bf16_engine_gives_the_same_greedy_tokens_with_the_screened_head_as_wi
 
 
 def test_only_rows_that_read_nothing_but_their_argmax_skip_the_full_logits():
+    """argmax_bans: the rows the screened head may take (their banned tokens, masked there) and the others (None)."""
     sampler = Sampler(eos_token_ids={2})
 
     def row(**params) -> SamplingRow:
         return SamplingRow(SamplingParams(temperature=0.0, **params), [5, 6], [], None)
 
-    assert sampler.wants_argmax_only([row(), row(ignore_eos=True, min_tokens=4)])
-    assert not sampler.wants_argmax_only([row(), row(min_tokens=4)])  # eos banned until 4 tokens: logits edited
-    assert not sampler.wants_argmax_only([row(stop_token_ids=[9], min_tokens=2)])
-    assert not sampler.wants_argmax_only([row(logprobs=1)])
-    assert not sampler.wants_argmax_only([row(repetition_penalty=1.2)])
-    assert not sampler.wants_argmax_only([SamplingRow(SamplingParams(temperature=0.7), [5], [], None)])
+    assert sampler.argmax_bans(row()) == set() and sampler.argmax_bans(row(ignore_eos=True, min_tokens=4)) == set()
+    assert sampler.argmax_bans(row(min_tokens=4)) == {2}  # eos banned until 4 tokens
+    assert sampler.argmax_bans(row(stop_token_ids=[9], min_tokens=2)) == {2, 9}
+    assert sampler.argmax_bans(row(logprobs=1)) is None
+    assert sampler.argmax_bans(row(repetition_penalty=1.2)) is None
+    assert sampler.argmax_bans(SamplingRow(SamplingParams(temperature=0.7), [5], [], None)) is None
 
 
 def test_the_runner_builds_the_head_for_fp32_where_bf16_is_native_else_with_vnni_unless_turned_off(

@@ -105,12 +105,12 @@ class ScreenedGreedyHead:
         token, or the kernel is missing: the caller computes full logits."""
         if mask is not None and mask.refuses_everything():
             return None  # no token allowed: the full logits' path fails the row
-        allowed = allowed_words(mask, hidden.shape[0])
         if hidden.shape[0] <= GEMV_ROWS and self.int8_few_rows:
             token_ids = self.few_rows.tokens(hidden, mask)  # None until calibrated, or where int8 cannot decide
             if token_ids is not None:
                 return token_ids
         approx = self.approx_logits(hidden.to(torch.bfloat16).contiguous())  # [B, V]
+        allowed = allowed_words(mask, hidden.shape[0])  # [B, W] or None
         token_ids = screened_greedy_tokens(approx, hidden.contiguous(), self.weight, self.row_norms, allowed)  # [B]
         if token_ids is None or bool((token_ids == UNDECIDED).any()):
             return None
