@@ -8,26 +8,23 @@ schema: the text is the call's `arguments`. `"required"` holds it to a JSON arra
 not. The JSON may hold whitespace, as the model writes it: held to OpenAI's compact form, SmolLM2 picked the wrong
 function for "required" where it picks the right one free. `"none"` writes text. `"auto"`, OpenAI's default once
 tools are given, lets the model choose between text and a call in its own syntax: the server's --tool-call-parser
-reads it (HermesToolStream); without --enable-auto-tool-choice it is a 400 asking for one of the others, as vLLM's.
+reads it (gateway/tool_parsers.py); without --enable-auto-tool-choice it is a 400 asking for one of the others, as
+vLLM's.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from engine.interface import StructuredOutputsParams
 from gateway.errors import APIError
+from gateway.tool_parsers import TOOL_CALL_PARSERS, ToolParser, call, new_call_id
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 NO_PARAMETERS = {"type": "object", "properties": {}}
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def checked_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
@@ -60,7 +57,7 @@ class ToolCalling:
 
     function: str | None  # the named function
     structured: StructuredOutputsParams | None  # what holds the reply; None: auto
-    parser: type[HermesToolStream] | None = None  # auto: the parser of the model's call syntax
+    parser: type[ToolParser] | None = None  # auto: the parser of the model's call syntax
 
     @property
     def is_auto(self) -> bool:
@@ -81,12 +78,8 @@ class ToolCalling:
             return text, None
         return None, [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
 
-    def stream(self) -> ToolCallStream | HermesToolStream:
+    def stream(self) -> ToolCallStream | ToolParser:
         return self.parser() if self.parser is not None else ToolCallStream(self)
-
-
-def call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 class ToolCallStream:
@@ -117,77 +110,6 @@ class ToolCallStream:
         if calls is None:
             return {"content": content}, finish_reason
         return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, reason
-
-
-class HermesToolStream:
-    """The Hermes / Qwen call syntax (vLLM's `hermes` parser): `<tool_call>{"name": ..., "arguments": {...}}
-    </tool_call>`, any number, text around them. Text streams out as content, but for what may be the start of a
-    tag, held back until the next piece tells; each call goes out whole once its closing tag arrives. A call whose
-    JSON does not read as one stays text."""
-
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
-    def __init__(self):
-        self.buffer, self.in_call, self.num_calls = "", False, 0
-
-    def push(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any] | None, str | None]:
-        """(the delta for this piece of the reply, None: nothing to send yet; the finish reason to send)."""
-        self.buffer += text
-        content, calls = "", []
-        while True:
-            if not self.in_call:
-                at = self.buffer.find(self.OPEN)
-                if at < 0:
-                    held = _tag_prefix_len(self.buffer, self.OPEN) if finish_reason is None else 0
-                    content += self.buffer[: len(self.buffer) - held]
-                    self.buffer = self.buffer[len(self.buffer) - held :]
-                    break
-                content += self.buffer[:at]
-                self.buffer, self.in_call = self.buffer[at + len(self.OPEN) :], True
-                continue
-            at = self.buffer.find(self.CLOSE)
-            if at < 0:
-                if finish_reason is not None:  # an unclosed call: the text as written
-                    content += self.OPEN + self.buffer
-                    self.buffer = ""
-                break
-            body, self.buffer, self.in_call = self.buffer[:at], self.buffer[at + len(self.CLOSE) :], False
-            parsed = _hermes_call(body)
-            if parsed is None:
-                content += self.OPEN + body + self.CLOSE
-            else:
-                calls.append({"index": self.num_calls, **parsed})
-                self.num_calls += 1
-        delta: dict[str, Any] = {}
-        if content:
-            delta["content"] = content
-        if calls:
-            delta["tool_calls"] = calls
-        reason = "tool_calls" if finish_reason == "stop" and self.num_calls else finish_reason
-        return (delta or None), reason
-
-
-def _tag_prefix_len(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (text that may yet become the tag)."""
-    for length in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0
-
-
-def _hermes_call(body: str) -> dict[str, Any] | None:
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return call(value["name"], arguments)
-
-
-TOOL_CALL_PARSERS = {"hermes": HermesToolStream}
 
 
 def tool_calling(
