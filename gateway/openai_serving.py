@@ -25,6 +25,7 @@ from engine.interface import (
 )
 from gateway.accounting import Ticket
 from gateway.adapter_service import AdapterService, ModelChoice
+from gateway.chat_replies import ChatReplies
 from gateway.chat_templates import ChatTemplates
 from gateway.errors import APIError, error_body
 from gateway.generation import INVALID_STRUCTURED_OUTPUT, Generation, UsageCallback, until_disconnect
@@ -42,8 +43,8 @@ from gateway.openai_format import (
 )
 from gateway.prompt_encoder import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.reasoning import REASONING_PARSERS
 from gateway.request_limits import RequestLimits
-from gateway.tool_calls import ToolCalling
 
 ADAPTER_LOAD_HEADER = "x-loraplex-adapter-load-ms"
 ADAPTER_TIER_HEADER = "x-loraplex-adapter-tier"
@@ -356,16 +357,18 @@ class OpenAIServing:
         generation = await self._generation(
             "chat", request_id, [(text, ids)], params, choice, caller, body.structured_field
         )
+        replies = self._replies(body, text)
         if body.stream:
             head = {"id": request_id, "object": "chat.completion.chunk", "created": now(), "model": choice.model}
             stream = await self._primed(generation)
-            return self._stream_response(self._chat_chunks(stream, generation, head, body), generation)
+            return self._stream_response(self._chat_chunks(stream, generation, head, body, replies), generation)
         choices = await until_disconnect(raw, self._run(generation, body.n))
         head = {"id": request_id, "object": "chat.completion", "created": now(), "model": choice.model}
         if body.prompt_logprobs is not None and choices:
             head["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs or [], self.token_text)
-        calling = body.calling
-        messages = {index: self._message(c, calling) for index, c in choices.items()}
+        messages = {}
+        for index, c in choices.items():
+            messages[index], c.finish_reason = replies.message(c.text, c.finish_reason)
         return self._whole_response(
             head,
             generation,
@@ -376,18 +379,16 @@ class OpenAIServing:
             },
         )
 
-    @staticmethod
-    def _message(c: _Choice, calling: ToolCalling | None) -> dict:
-        """A choice's assistant message: its text, or the tool calls its text makes (finish reason "tool_calls" when
-        they are complete; `ToolCalling.reply` for the ones cut short)."""
-        content, calls = calling.reply(c.text, c.finish_reason == "stop") if calling is not None else (c.text, None)
-        if calls is None:
-            return {"role": "assistant", "content": c.text}
-        if c.finish_reason == "stop":
-            c.finish_reason = "tool_calls"
-        return {"role": "assistant", "content": content, "tool_calls": calls}
+    def _replies(self, body: ChatCompletionRequest, prompt: str) -> ChatReplies:
+        """How the choices read: the tool calls body asks for; the reasoning split where the server has a parser and
+        the reply is free text (a grammar leaves no room to reason)."""
+        parser = self.limits.reasoning_parser
+        reasoning = REASONING_PARSERS[parser] if parser is not None and body.structured_field is None else None
+        return ChatReplies(body.calling, reasoning, prompt, body.include_reasoning)
 
-    async def _chat_chunks(self, primed: Primed, generation: Generation, head: dict, body: ChatCompletionRequest):
+    async def _chat_chunks(
+        self, primed: Primed, generation: Generation, head: dict, body: ChatCompletionRequest, replies: ChatReplies
+    ):
         def chunk(index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
             return {
                 **head,
@@ -403,8 +404,7 @@ class OpenAIServing:
                 data["usage"] = generation.usage.to_dict()
             return sse(data)
 
-        calling = body.calling
-        tool_streams = {index: calling.stream() for index in range(body.n)} if calling is not None else None
+        reply_streams = None if replies.plain else {index: replies.stream() for index in range(body.n)}
         try:
             prompt_logprobs = primed.first[1].prompt_logprobs if primed.first is not None else None
             for index in range(body.n):
@@ -417,13 +417,13 @@ class OpenAIServing:
                 for delta in item[1].outputs:
                     if _is_empty(delta):
                         continue
-                    if tool_streams is not None:
-                        calls, finish_reason = tool_streams[delta.index].push(delta.text, delta.finish_reason)
+                    if reply_streams is not None:
+                        fields, finish_reason = reply_streams[delta.index].push(delta.text, delta.finish_reason)
                         logprobs = None
                         if delta.logprobs is not None:
                             logprobs = chat_logprobs(delta.logprobs, self.token_text)
-                        if calls is not None or finish_reason is not None or logprobs is not None:
-                            yield event(delta.index, calls or {}, finish_reason, logprobs)
+                        if fields is not None or finish_reason is not None or logprobs is not None:
+                            yield event(delta.index, fields or {}, finish_reason, logprobs)
                         continue
                     if _text_only(delta) and not continuous_usage:
                         yield text_chunk(delta.index, delta.text)  # not empty: it has text

@@ -6,6 +6,7 @@ TensorRT-LLM's `lora_request` are accepted in the body. Unknown fields are ignor
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
@@ -223,6 +224,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     _calling: ToolCalling | None = PrivateAttr(None)  # set by resolve_tool_calling
+    include_reasoning: bool = True  # vLLM's: false drops the reasoning (--reasoning-parser) from the reply
     prompt_logprobs: int | None = None  # vLLM's: the response's `prompt_logprobs`, over the rendered prompt
     add_generation_prompt: bool = True
     chat_template: str | None = None  # vLLM's per-request override
@@ -250,9 +252,9 @@ class ChatCompletionRequest(SamplingFields):
             params.skip_special_tokens = False
         return params
 
-    @property
+    @cached_property
     def checked_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template reads them; a 400 naming what is malformed."""
+        """The tools as the chat template reads them, checked once a request; a 400 naming what is malformed."""
         return checked_tools(self.tools)
 
     def resolve_tool_calling(self, auto_parser: str | None) -> None:

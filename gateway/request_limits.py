@@ -1,6 +1,6 @@
 """RequestLimits: what one `/v1` request may ask for (samples, prompts, prompt tokens, chat templates), so that no
 single request can stall the event loop or flood the engine. Each limit is a 400 naming its parameter and the
-option that raises it."""
+option that raises it. With them, the parsers the server reads its model's replies with (tool calls, reasoning)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ class RequestLimits:
     trust_request_chat_template: bool
     chat_template_timeout: float
     tool_call_parser: str | None = None  # the parser of the model's call syntax for tool_choice "auto" (None: refused)
+    reasoning_parser: str | None = None  # the parser of the model's reasoning (None: the reply is all content)
 
     @classmethod
     def of(cls, settings: ServeSettings, max_model_len: int) -> RequestLimits:
@@ -28,6 +29,7 @@ class RequestLimits:
             trust_request_chat_template=settings.trust_request_chat_template,
             chat_template_timeout=settings.chat_template_timeout,
             tool_call_parser=settings.tool_call_parser if settings.enable_auto_tool_choice else None,
+            reasoning_parser=settings.reasoning_parser,
         )
 
     def check_n(self, n: int) -> None:

@@ -88,8 +88,15 @@ class ServeSettings(EngineSettings):
     enable_auto_tool_choice: bool = Field(
         False, description="serve tool_choice 'auto' (vLLM's flag; needs --tool-call-parser): the model decides"
     )
-    tool_call_parser: Literal["hermes"] | None = Field(
-        None, description="the model's own tool-call syntax, for tool_choice 'auto': hermes (Hermes, Qwen2.5, Qwen3)"
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = Field(
+        None,
+        description="the model's own tool-call syntax, for tool_choice 'auto': hermes (Hermes, Qwen2.5, Qwen3), "
+        "llama3_json (Llama 3.1/3.2 JSON calls), pythonic (Llama 3.2/4 [f(x=1)] calls), mistral ([TOOL_CALLS])",
+    )
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None,
+        description="split the model's <think>...</think> reasoning off the chat reply, as `reasoning` "
+        "(vLLM's flag): deepseek_r1 (DeepSeek-R1, QwQ: it reasons from the start) or qwen3",
     )
     metrics_key: str | None = Field(
         None,
@@ -128,7 +135,10 @@ class ServeSettings(EngineSettings):
     @model_validator(mode="after")
     def _auto_tool_choice_has_a_parser(self) -> ServeSettings:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's call syntax: hermes)")
+            raise ValueError(
+                "--enable-auto-tool-choice needs --tool-call-parser (the model's call syntax: hermes, llama3_json, "
+                "mistral or pythonic)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -203,25 +203,43 @@ def test_the_hermes_parser_reads_the_same_calls_at_every_split():
     assert content is None and calls[0]["function"] == {"name": "ping", "arguments": "{}"}
 
 
-@pytest.fixture(scope="module")
-def auto_server(tiny):
+# each parser's syntax calling get_weather for Tokyo, and the content the reply keeps beside the call
+AUTO_CALLS = {
+    "hermes": ('Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Tokyo"}}</tool_call>', "Sure. "),
+    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Tokyo"}}', None),
+    "pythonic": ('[get_weather(city="Tokyo")]', None),
+    "mistral": ('Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Tokyo"}}]', "Sure. "),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(AUTO_CALLS))
+def auto_server(request, tiny):
     root, _, adapters = tiny
-    with ServerThread(settings_for(root, adapters, enable_auto_tool_choice=True, tool_call_parser="hermes")) as running:
+    settings = settings_for(
+        root,
+        adapters,
+        enable_auto_tool_choice=True,
+        tool_call_parser=request.param,
+        reasoning_parser="qwen3",
+        trust_request_chat_template=True,
+    )
+    with ServerThread(settings) as running:
+        running.parser = request.param
         yield running
 
 
 def test_auto_tool_choice_reads_the_models_calls(auto_server):
-    """With --enable-auto-tool-choice --tool-call-parser hermes, tools and no tool_choice ("auto"): a reply in the
-    Hermes syntax (here held to it by guided_regex, random weights writing nothing of the kind) comes back as
-    tool_calls, streamed and not; a reply in plain text stays text."""
-    call_text = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Tokyo"}}</tool_call>'
+    """With --enable-auto-tool-choice --tool-call-parser P, tools and no tool_choice ("auto"): a reply in P's syntax
+    (here held to it by guided_regex, random weights writing nothing of the kind) comes back as tool_calls, streamed
+    and not; a reply in plain text stays text."""
+    call_text, content = AUTO_CALLS[auto_server.parser]
     regex = re.escape(call_text)
     client = api(auto_server)
     reply = client.chat.completions.create(
         model="sql", messages=MESSAGES, tools=TOOLS, max_tokens=150, temperature=0, extra_body={"guided_regex": regex}
     )
     choice = reply.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure. "
+    assert choice.finish_reason == "tool_calls" and choice.message.content == content
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Tokyo"}
     chunks = list(
@@ -232,10 +250,36 @@ def test_auto_tool_choice_reads_the_models_calls(auto_server):
     )  # fmt: skip
     pieces = [p for c in chunks if c.choices for p in c.choices[0].delta.tool_calls or []]
     assert [(p.index, p.function.name) for p in pieces] == [(0, "get_weather")]
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Sure. "
+    assert json.loads(pieces[0].function.arguments) == {"city": "Tokyo"}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (content or "")
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     text = client.chat.completions.create(
         model="sql", messages=MESSAGES, tools=TOOLS, max_tokens=10, temperature=0, extra_body={"guided_regex": "a+b"}
     ).choices[0]
     assert re.fullmatch("a+b", text.message.content)
     assert text.message.tool_calls is None and text.finish_reason == "stop"
+
+
+THINKING_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: <think>\n"
+
+
+def test_the_reasoning_parser_splits_the_reply(auto_server):
+    """--reasoning-parser qwen3 beside the tool parser: a prompt that opens <think> has the reply reason (random
+    weights never close it: all of it), streamed and not, and no content nor calls made of it; include_reasoning
+    false drops it; a prompt that opens nothing leaves the reply content, its reasoning null."""
+    client = api(auto_server)
+    ask = dict(model="sql", messages=MESSAGES, tools=TOOLS, max_tokens=12, temperature=0)
+    thinking = {"chat_template": THINKING_TEMPLATE}
+    whole = client.chat.completions.create(**ask, extra_body=thinking).choices[0]
+    reasoning = whole.message.model_extra["reasoning"]
+    assert reasoning and whole.message.model_extra["reasoning_content"] == reasoning
+    assert whole.message.content is None and whole.message.tool_calls is None and whole.finish_reason == "length"
+    chunks = list(client.chat.completions.create(**ask, stream=True, extra_body=thinking))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == ""
+    dropped = client.chat.completions.create(**ask, extra_body={**thinking, "include_reasoning": False}).choices[0]
+    assert "reasoning" not in (dropped.message.model_extra or {}) and dropped.message.content is None
+    plain_template = THINKING_TEMPLATE.removesuffix("<think>\n")
+    plain = client.chat.completions.create(**ask, extra_body={"chat_template": plain_template}).choices[0]
+    assert plain.message.content and plain.message.model_extra["reasoning"] is None

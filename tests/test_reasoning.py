@@ -1,0 +1,84 @@
+"""Reasoning outputs (gateway/reasoning.py) and a chat choice's fields put together (gateway/chat_replies.py): the
+`<think>` split, by parser and by what the prompt opened, the same streamed in pieces of any size as whole; the
+tool calls read from the content after the reasoning; `include_reasoning: false` drops it. Through the server:
+tests/test_gateway_tools.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.chat_replies import ChatReplies
+from gateway.reasoning import REASONING_PARSERS
+from gateway.tool_calls import checked_tools, tool_calling
+
+# parser, the prompt's end, the reply, expected (reasoning, content)
+CASES = [
+    ("deepseek_r1", "<|Assistant|>", "<think>\nCompare 9.11 and 9.8.\n</think>\n\n9.8 is larger.",
+     ("\nCompare 9.11 and 9.8.\n", "\n\n9.8 is larger.")),
+    ("deepseek_r1", "<|Assistant|><think>\n", "Compare them.</think>9.8", ("Compare them.", "9.8")),  # R1's template
+    ("deepseek_r1", "<|Assistant|>", "Compare them, and the reply was cut sh",
+     ("Compare them, and the reply was cut sh", "")),  # reasoning until </think>: all of it
+    ("qwen3", "<|im_start|>assistant\n", "<think>\nHmm.\n</think>\n\nHello!", ("\nHmm.\n", "\n\nHello!")),
+    ("qwen3", "<|im_start|>assistant\n<think>\n", "Hmm.</think>Hello!", ("Hmm.", "Hello!")),  # opened by the prompt
+    ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", "Hello! <think> is a tag.",
+     (None, "Hello! <think> is a tag.")),  # enable_thinking false: the template closed it, all content
+    ("qwen3", "<|im_start|>assistant\n", "Hello!", (None, "Hello!")),
+]  # fmt: skip
+
+
+def streamed(syntax, prompt: str, text: str, piece: int) -> tuple[str, str]:
+    stream = syntax.stream(prompt)
+    pieces = [text[i : i + piece] for i in range(0, len(text), piece)]
+    out = [stream.push(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    return "".join(r for r, _ in out), "".join(c for _, c in out)
+
+
+@pytest.mark.parametrize("piece", [1, 3, 10_000])
+@pytest.mark.parametrize(("parser", "prompt", "text", "expected"), CASES)
+def test_the_reasoning_splits_off_streamed_as_whole(parser, prompt, text, expected, piece):
+    syntax = REASONING_PARSERS[parser]
+    assert syntax.split(prompt, text) == expected
+    assert streamed(syntax, prompt, text, piece) == (expected[0] or "", expected[1])
+
+
+def test_reasoning_streams_out_before_it_ends():
+    stream = REASONING_PARSERS["deepseek_r1"].stream("")
+    assert stream.push("<thi", False) == ("", "")  # may be <think>: held
+    assert stream.push("nk>Step one. </th", False) == ("Step one. ", "")  # may be </think>: held
+    assert stream.push("ink>Done", False) == ("", "Done")
+    assert stream.push(" here.", True) == ("", " here.")
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = checked_tools([{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}])
+
+
+def test_the_tool_calls_are_read_from_the_content_after_the_reasoning():
+    calling = tool_calling(TOOLS, "auto", True, "hermes")
+    replies = ChatReplies(calling, REASONING_PARSERS["qwen3"], "assistant\n")
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    text = f"<think>A <tool_call> is needed.</think>\n{call}"
+    message, reason = replies.message(text, "stop")
+    assert reason == "tool_calls"
+    assert message["reasoning"] == message["reasoning_content"] == "A <tool_call> is needed."
+    assert message["content"] is None  # whitespace beside calls: none, as vLLM sends
+    (made,) = message["tool_calls"]
+    assert made["function"]["name"] == "get_weather" and json.loads(made["function"]["arguments"]) == {"city": "Oslo"}
+    stream, deltas = replies.stream(), []
+    for i in range(0, len(text), 5):
+        deltas.append(stream.push(text[i : i + 5], "stop" if i + 5 >= len(text) else None))
+    assert "".join(d.get("reasoning", "") for d, _ in deltas if d) == "A <tool_call> is needed."
+    assert [c["function"]["name"] for d, _ in deltas if d for c in d.get("tool_calls", [])] == ["get_weather"]
+    assert deltas[-1][1] == "tool_calls"
+
+
+def test_include_reasoning_false_drops_it_and_no_parser_leaves_the_text_whole():
+    text = "<think>private</think>public"
+    message, _ = ChatReplies(None, REASONING_PARSERS["deepseek_r1"], "", include_reasoning=False).message(text, "stop")
+    assert message == {"role": "assistant", "content": "public"}
+    stream = ChatReplies(None, REASONING_PARSERS["deepseek_r1"], "", include_reasoning=False).stream()
+    assert stream.push(text, "stop") == ({"content": "public"}, "stop")
+    plain = ChatReplies(None, None, "")
+    assert plain.plain and plain.message(text, "length") == ({"role": "assistant", "content": text}, "length")
