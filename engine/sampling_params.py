@@ -19,6 +19,7 @@ FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+REASONING_FIRST = (None, "required", "optional")
 
 
 class StructuredOutputError(ValueError):
@@ -33,7 +34,12 @@ class StructuredOutputsParams:
     syntax, matched whole), one of a list of strings (`choice`), or a grammar (`grammar`: Lark, or GBNF as llama.cpp
     writes it). JSON may hold any whitespace between its tokens, unless `disable_any_whitespace` (then none at all,
     as json.dumps(separators=(",", ":")) writes it). Only its shape is checked here; the engine compiles it against
-    its tokenizer and names what does not compile (engine/structured_outputs.py)."""
+    its tokenizer and names what does not compile (engine/structured_outputs.py).
+
+    `reasoning_first` lets a reasoning model think before the form begins, as vLLM's reasoning parsers do: the
+    grammar holds the text after the reasoning, which runs to the first `</think>` (whitespace after it allowed);
+    "required": the reply reasons first (from its start, `<think>` written or not); "optional": it may open with
+    `<think>...</think>`, else the form begins at once."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
@@ -41,6 +47,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
+    reasoning_first: str | None = None  # None, "required" or "optional"
 
     def __post_init__(self) -> None:
         def bad(why: str) -> ValueError:
@@ -64,6 +71,8 @@ class StructuredOutputsParams:
             raise bad("regex must be a non-empty string")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
             raise bad("grammar must be a non-empty string")
+        if self.reasoning_first not in REASONING_FIRST:
+            raise bad(f"reasoning_first must be one of {', '.join(map(str, REASONING_FIRST))}")
         if self.choice is not None:
             if not isinstance(self.choice, list | tuple) or not self.choice:
                 raise bad("choice must be a non-empty list of strings")

@@ -34,8 +34,26 @@ BITS = 32  # tokens per word of llguidance's bitmask (int32)
 ANY_JSON_OBJECT = '{"type": "object"}'
 
 
+# The reasoning before a form (StructuredOutputsParams.reasoning_first): any text up to and with the first </think>,
+# then any whitespace; a regex of llguidance's Lark, whose `&` and `~` intersect and negate.
+REASONING_LEXEME = r"/(?s:.*)<\/think>[ \t\r\n]*/ & ~/(?s:.*)<\/think>(?s:.*)<\/think>(?s:.*)/"
+REASONING_START = {"required": "start: REASONING @form", "optional": 'start: ("<think>" REASONING)? @form'}
+
+
 def grammar_text(params: StructuredOutputsParams) -> str:
     """params as an llguidance grammar (unchecked); raises ValueError where llguidance cannot read it at all."""
+    form = form_grammar(params)
+    if params.reasoning_first is None:
+        return form
+    # llguidance's top-level grammar: a list of grammars, the first the start, which may name the others (@name)
+    grammars = json.loads(form)["grammars"] if form.lstrip().startswith("{") else [{"lark_grammar": form}]
+    grammars[0]["name"] = "form"
+    start = f"{REASONING_START[params.reasoning_first]}\nREASONING: {REASONING_LEXEME}"
+    return json.dumps({"grammars": [{"lark_grammar": start}, *grammars]})
+
+
+def form_grammar(params: StructuredOutputsParams) -> str:
+    """The grammar of params' form alone: llguidance's JSON top-level grammar, or Lark text."""
     kind = params.kind
     if kind in ("json", "json_object"):
         schema = ANY_JSON_OBJECT if kind == "json_object" else params.json

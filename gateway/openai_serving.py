@@ -9,6 +9,7 @@ response starts.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -354,10 +355,13 @@ class OpenAIServing:
         # the template wrote the special tokens
         (ids,) = await self.prompts.encode([text], add_special_tokens=False, param="messages")
         request_id = new_id("chatcmpl")
+        replies = self._replies(body, text)
+        if replies.reasoning is not None and params.structured_outputs is not None:  # the form after the reasoning
+            first = replies.reasoning.reasoning_first(text)
+            params.structured_outputs = dataclasses.replace(params.structured_outputs, reasoning_first=first)
         generation = await self._generation(
             "chat", request_id, [(text, ids)], params, choice, caller, body.structured_field
         )
-        replies = self._replies(body, text)
         if body.stream:
             head = {"id": request_id, "object": "chat.completion.chunk", "created": now(), "model": choice.model}
             stream = await self._primed(generation)
@@ -380,10 +384,9 @@ class OpenAIServing:
         )
 
     def _replies(self, body: ChatCompletionRequest, prompt: str) -> ChatReplies:
-        """How the choices read: the tool calls body asks for; the reasoning split where the server has a parser and
-        the reply is free text (a grammar leaves no room to reason)."""
+        """How the choices read: the tool calls body asks for, the reasoning split where the server has a parser."""
         parser = self.limits.reasoning_parser
-        reasoning = REASONING_PARSERS[parser] if parser is not None and body.structured_field is None else None
+        reasoning = REASONING_PARSERS[parser] if parser is not None else None
         return ChatReplies(body.calling, reasoning, prompt, body.include_reasoning)
 
     async def _chat_chunks(

@@ -8,7 +8,8 @@ the model's reasoning, `<think>...</think>`, and the reply's content after it.
 
 The reasoning goes out as `reasoning` and, its older name that clients still read, `reasoning_content`; a request's
 `include_reasoning: false` (vLLM's) drops it. A reply held to a grammar (structured outputs, a named or required
-tool call) is not split: its text is the grammar's, with no room to reason.
+tool call) reasons first, as vLLM's: its grammar holds the text after `</think>` (`reasoning_first`, required where
+the reply reasons from its start, else optional).
 """
 
 from __future__ import annotations
@@ -24,9 +25,18 @@ THINK, END_THINK = "<think>", "</think>"
 class ReasoningSyntax:
     reasons_from_start: bool  # deepseek_r1: reasoning until </think>, <think> or not
 
+    def opened(self, prompt: str) -> bool:
+        """Whether a reply to `prompt` (the rendered chat) reasons from its start."""
+        return self.reasons_from_start or prompt.rstrip().endswith(THINK)
+
+    def reasoning_first(self, prompt: str) -> str:
+        """How a grammar that holds a reply to `prompt` leaves room for the reasoning before its form
+        (StructuredOutputsParams.reasoning_first)."""
+        return "required" if self.opened(prompt) else "optional"
+
     def stream(self, prompt: str) -> ReasoningStream:
-        """The splitter of one choice of a reply to `prompt` (the rendered chat)."""
-        return ReasoningStream(self.reasons_from_start or prompt.rstrip().endswith(THINK))
+        """The splitter of one choice of a reply to `prompt`."""
+        return ReasoningStream(self.opened(prompt))
 
     def split(self, prompt: str, text: str) -> tuple[str | None, str]:
         """(reasoning, None: none; content) of a whole reply."""

@@ -14,7 +14,8 @@ import openai
 import pytest
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from gateway.reasoning import REASONING_PARSERS
 from gateway.tool_calls import ToolCallStream, checked_tools, tool_calling
 from tests.gateway_server import BASE, ServerThread, build_tiny, settings_for
 from tests.test_gateway_admin import assert_openai_error
@@ -215,16 +216,24 @@ AUTO_CALLS = {
 @pytest.fixture(scope="module", params=sorted(AUTO_CALLS))
 def auto_server(request, tiny):
     root, _, adapters = tiny
+    with ServerThread(settings_for(root, adapters, enable_auto_tool_choice=True, tool_call_parser=request.param)) as s:
+        s.parser = request.param
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(tiny):
+    """--reasoning-parser qwen3 beside --tool-call-parser hermes, per-request templates trusted."""
+    root, _, adapters = tiny
     settings = settings_for(
         root,
         adapters,
         enable_auto_tool_choice=True,
-        tool_call_parser=request.param,
+        tool_call_parser="hermes",
         reasoning_parser="qwen3",
         trust_request_chat_template=True,
     )
     with ServerThread(settings) as running:
-        running.parser = request.param
         yield running
 
 
@@ -263,11 +272,11 @@ def test_auto_tool_choice_reads_the_models_calls(auto_server):
 THINKING_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: <think>\n"
 
 
-def test_the_reasoning_parser_splits_the_reply(auto_server):
+def test_the_reasoning_parser_splits_the_reply(reasoning_server):
     """--reasoning-parser qwen3 beside the tool parser: a prompt that opens <think> has the reply reason (random
     weights never close it: all of it), streamed and not, and no content nor calls made of it; include_reasoning
     false drops it; a prompt that opens nothing leaves the reply content, its reasoning null."""
-    client = api(auto_server)
+    client = api(reasoning_server)
     ask = dict(model="sql", messages=MESSAGES, tools=TOOLS, max_tokens=12, temperature=0)
     thinking = {"chat_template": THINKING_TEMPLATE}
     whole = client.chat.completions.create(**ask, extra_body=thinking).choices[0]
@@ -283,3 +292,31 @@ def test_the_reasoning_parser_splits_the_reply(auto_server):
     plain_template = THINKING_TEMPLATE.removesuffix("<think>\n")
     plain = client.chat.completions.create(**ask, extra_body={"chat_template": plain_template}).choices[0]
     assert plain.message.content and plain.message.model_extra["reasoning"] is None
+
+
+@pytest.fixture(scope="module")
+def offline_form_after_thinking(tiny, tokenizer) -> tuple[str, str]:
+    """(the prompt, the offline engine's greedy text) of MESSAGES under THINKING_TEMPLATE held to CITY, the
+    reasoning first."""
+    root, _, _ = tiny
+    prompt = tokenizer.apply_chat_template(MESSAGES, chat_template=THINKING_TEMPLATE, tokenize=False)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    so = StructuredOutputsParams(json=CITY, reasoning_first="required")
+    llm = LLM(model=str(root / "base"), device="cpu")
+    (out,) = llm.generate(
+        [{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=so)
+    )
+    return prompt, out.outputs[0].text
+
+
+def test_a_form_follows_the_reasoning(reasoning_server, offline_form_after_thinking):
+    """With a reasoning parser a reply held to a grammar reasons first, as vLLM's: the server's reply is the offline
+    engine's text under the schema with reasoning_first "required" (the prompt opens <think>), split by the parser."""
+    prompt, text = offline_form_after_thinking
+    reasoning, content = REASONING_PARSERS["qwen3"].split(prompt, text)
+    schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    reply = api(reasoning_server).chat.completions.create(
+        model=BASE, messages=MESSAGES, max_tokens=24, temperature=0, response_format=schema,
+        extra_body={"chat_template": THINKING_TEMPLATE},
+    ).choices[0]  # fmt: skip
+    assert reasoning and (reply.message.model_extra["reasoning"], reply.message.content) == (reasoning, content or None)

@@ -153,6 +153,45 @@ def test_outputs_follow_their_schema_regex_choice_and_grammars(setup):
     assert re.fullmatch(r"<[a-c]+>", outs["gbnf"].text)
 
 
+@pytest.mark.parametrize(
+    ("options", "form"),
+    [
+        ({"json": SCHEMA}, '{"ok": true, "n": 3}'),
+        ({"regex": REGEX}, "123-ab"),
+        ({"choice": CHOICES}, "maybe"),
+        ({"grammar": LARK}, "(1,2)"),
+        ({"grammar": GBNF}, "<abc>"),
+    ],
+)
+def test_reasoning_first_leaves_room_to_think_before_the_form(setup, options, form):
+    """reasoning_first: "required" takes any text up to the first </think> (and whitespace) before the form, and
+    not the form alone; "optional" the form alone or after <think>...</think>; neither lets the reasoning hold a
+    second </think> nor lets the form be skipped; the engine's greedy tokens are transformers + peft's under the
+    composed grammar's mask."""
+    peft_model, llm, _, tokenizer = setup
+    compiler = GrammarCompiler(tokenizer, llm.engine.runner.arch.vocab_size, {EOS})
+
+    def takes(params: StructuredOutputsParams, text: str) -> bool:
+        matcher = llguidance.LLMatcher(compiler.tokenizer(), compiler.compile(params), log_level=0)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+    texts = [form, "Let me see.</think>\n\n" + form, "<think>Hmm: <b>.</think>" + form, "a</think>b</think>" + form]
+    texts.append("Thinking, and never done")
+    expected = {None: [True] + [False] * 4, "required": [False, True, True, False, False]}
+    expected["optional"] = [True, False, True, False, False]
+    for first, verdicts in expected.items():
+        params = StructuredOutputsParams(**options, reasoning_first=first)
+        assert [takes(params, t) for t in texts] == verdicts, first
+    with pytest.raises(ValueError, match="reasoning_first"):
+        StructuredOutputsParams(**options, reasoning_first="always")
+    so = StructuredOutputsParams(**options, reasoning_first="required")
+    prompt = prompts(llm.engine.runner.arch.vocab_size, 1, seed=5)[0]
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=so))
+    tokens, _ = reference(peft_model, tokenizer, None, prompt, compiler.compile(so), 12)
+    assert out.outputs[0].token_ids == tokens
+
+
 def test_sampled_and_n_samples_follow_the_grammar(setup):
     _, llm, _, _ = setup
     so = StructuredOutputsParams(regex=r"[a-z]{2,5}[0-9]")
