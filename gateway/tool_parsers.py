@@ -71,7 +71,7 @@ def _json_values(text: str, separators: str) -> list[Any] | None:
             return values
         try:
             value, at = decoder.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past Python's stack
             return None
         values.append(value)
 
@@ -138,10 +138,8 @@ class HermesToolParser(ToolParser):
                     self.buffer = ""
                 return content, calls
             body, self.buffer, self.in_call = self.buffer[:at], self.buffer[at + len(self.CLOSE) :], False
-            try:
-                parsed = _named_call(json.loads(body), ("arguments", "parameters"))
-            except ValueError:
-                parsed = None
+            values = _json_values(body, "")
+            parsed = _named_call(values[0], ("arguments", "parameters")) if values and len(values) == 1 else None
             if parsed is None:
                 content += self.OPEN + body + self.CLOSE
             else:
@@ -221,7 +219,7 @@ class PythonicToolParser(LeadingToolParser):
         text = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
         try:
             tree = ast.parse(text, mode="eval").body
-        except (SyntaxError, ValueError):
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
             return None
         if not isinstance(tree, ast.List) or not tree.elts:
             return None

@@ -44,6 +44,9 @@ TEXT = [
     ("pythonic", "[get_weather('Paris')]"),  # positional: not the syntax
     ("pythonic", "[get_weather(city=open('/etc/passwd'))]"),  # not a literal: never evaluated
     ("pythonic", "[get_weather(city={1, 2})]"),  # a set has no JSON form
+    ("hermes", "<tool_call>" + "[" * 100_000 + "</tool_call>"),  # nested past Python's stack: still text
+    ("llama3_json", "{" + '"a":[' * 50_000),
+    ("pythonic", "[f(x=" + "[" * 100_000 + ")]"),
     ("mistral", "No tools needed [TOOL"),
     ("mistral", "[TOOL_CALLS][{'name': 'get_weather'}]"),
 ]
