@@ -292,6 +292,26 @@ def test_limits_answer_429_with_retry_after_naming_the_limit(server, tokenizer):
     assert int(caught.value.response.headers["retry-after"]) > 0
 
 
+def test_tokenize_and_detokenize_are_requests_under_the_tenants_limits(server):
+    """Each /tokenize and /detokenize call counts against requests per minute (with the completions'), so a key
+    cannot render chat templates without bound; it records no usage."""
+    tenant, key = new_tenant(server, requests_per_minute=3)
+    within_one_minute_window()
+    with httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {key}"}) as http:
+        assert http.post("/tokenize", json={"model": "public", "prompt": "Alice was"}).status_code == 200
+        assert http.post("/detokenize", json={"model": "public", "tokens": [5, 6]}).status_code == 200
+        assert http.post("/v1/completions", json={"model": "public", "prompt": "x", "max_tokens": 1}).status_code == 200
+        for route, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+            assert_openai_error(http.post(route, json=body), 429, "requests_per_minute")
+        deadline = time.monotonic() + 10
+        while True:
+            rows = http.get("/admin/usage", params={"tenant": tenant}, headers=ADMIN).json()["data"]
+            if rows or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    assert sum(row["requests"] for row in rows) == 1  # the completion alone
+
+
 def test_concurrent_requests_limit(server):
     _, key = new_tenant(server, max_concurrent_requests=1)
     headers = {"Authorization": f"Bearer {key}"}

@@ -22,8 +22,9 @@ from registry.models import Adapter
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 
-async def _admitted(request: Request, state: GatewayState, tenant: str | None, handler: Callable[[Caller], Awaitable]):
-    """Runs `handler` under the tenant's limits; the ticket is settled whatever happens."""
+async def admitted(request: Request, state: GatewayState, tenant: str | None, handler: Callable[[Caller], Awaitable]):
+    """Runs `handler` under the tenant's limits; the ticket is settled whatever happens (with no usage where the
+    handler reported none: /tokenize's)."""
     ticket = await state.accounting.admit(tenant)
     try:
         response = await handler(Caller(tenant, ticket))
@@ -39,12 +40,12 @@ async def _admitted(request: Request, state: GatewayState, tenant: str | None, h
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request, state: StateDep, tenant: TenantDep):
-    return await _admitted(request, state, tenant, lambda caller: state.serving.completions(body, request, caller))
+    return await admitted(request, state, tenant, lambda caller: state.serving.completions(body, request, caller))
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep, tenant: TenantDep):
-    return await _admitted(request, state, tenant, lambda caller: state.serving.chat(body, request, caller))
+    return await admitted(request, state, tenant, lambda caller: state.serving.chat(body, request, caller))
 
 
 @router.get("/usage")
