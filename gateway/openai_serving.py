@@ -348,7 +348,7 @@ class OpenAIServing:
     # ---- chat ----------------------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, raw: Request, caller: Caller):
         self.limits.check_n(body.n)
-        body.resolve_tool_calling(self.limits.tool_call_parser)
+        body.resolve_tool_calling(self.limits.tool_call_parser, self.limits.tool_call_syntax)
         params = body.sampling_params(body.requested_max_tokens, body.requested_logprobs, body.prompt_logprobs)
         choice = await self._choose(body, caller)
         text = await self.chat_templates.render_request(body.messages, choice.adapter_path, body)

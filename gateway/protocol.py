@@ -257,11 +257,12 @@ class ChatCompletionRequest(SamplingFields):
         """The tools as the chat template reads them, checked once a request; a 400 naming what is malformed."""
         return checked_tools(self.tools)
 
-    def resolve_tool_calling(self, auto_parser: str | None) -> None:
+    def resolve_tool_calling(self, auto_parser: str | None, syntax: str | None = None) -> None:
         """Settles how the reply calls a tool (`calling`; None: it is text), given the server's parser of the model's
-        own call syntax for "auto" (None: "auto" is refused); a 400 naming tools or tool_choice where they are wrong.
-        """
-        self._calling = tool_calling(self.checked_tools, self.tool_choice, self.parallel_tool_calls, auto_parser)
+        own call syntax for "auto" (None: "auto" is refused) and its --tool-call-parser (the calls' id style); a 400
+        naming tools or tool_choice where they are wrong."""
+        calling = tool_calling(self.checked_tools, self.tool_choice, self.parallel_tool_calls, auto_parser, syntax)
+        self._calling = calling
 
     @property
     def calling(self) -> ToolCalling | None:

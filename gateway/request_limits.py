@@ -18,6 +18,7 @@ class RequestLimits:
     trust_request_chat_template: bool
     chat_template_timeout: float
     tool_call_parser: str | None = None  # the parser of the model's call syntax for tool_choice "auto" (None: refused)
+    tool_call_syntax: str | None = None  # --tool-call-parser, "auto" served or not: the style of the calls' ids
     reasoning_parser: str | None = None  # the parser of the model's reasoning (None: the reply is all content)
 
     @classmethod
@@ -29,6 +30,7 @@ class RequestLimits:
             trust_request_chat_template=settings.trust_request_chat_template,
             chat_template_timeout=settings.chat_template_timeout,
             tool_call_parser=settings.tool_call_parser if settings.enable_auto_tool_choice else None,
+            tool_call_syntax=settings.tool_call_parser,
             reasoning_parser=settings.reasoning_parser,
         )
 

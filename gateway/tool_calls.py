@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,7 @@ class ToolCalling:
     function: str | None  # the named function
     structured: StructuredOutputsParams | None  # what holds the reply; None: auto
     parser: type[ToolParser] | None = None  # auto: the parser of the model's call syntax
+    new_id: Callable[[], str] = new_call_id  # a named or required call's id, in the model's style (mistral's)
 
     @property
     def is_auto(self) -> bool:
@@ -73,10 +75,11 @@ class ToolCalling:
             content = (delta or {}).get("content") or ""
             return (content if content.strip() or not calls else None), (calls or None)
         if self.function is not None:
-            return None, [call(self.function, text)]
+            return None, [call(self.function, text, self.new_id())]
         if not complete:
             return text, None
-        return None, [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+        calls = json.loads(text)
+        return None, [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False), self.new_id()) for c in calls]
 
     def stream(self) -> ToolCallStream | ToolParser:
         return self.parser() if self.parser is not None else ToolCallStream(self)
@@ -88,7 +91,7 @@ class ToolCallStream:
     complete, or as text when max_tokens cut it short."""
 
     def __init__(self, calling: ToolCalling):
-        self.calling, self.text, self.call_id = calling, "", new_call_id()
+        self.calling, self.text, self.call_id = calling, "", calling.new_id()
         self.started = False
 
     def push(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any] | None, str | None]:
@@ -117,10 +120,12 @@ def tool_calling(
     tool_choice: str | dict[str, Any] | None,
     parallel_tool_calls: bool,
     auto_parser: str | None = None,
+    syntax: str | None = None,
 ) -> ToolCalling | None:
     """What tool_choice asks of the reply given the (checked) tools and the server's parser for "auto" (None: "auto"
     is refused): None for text; a 400 naming the field when the choice is not one this server serves or names no
-    listed tool."""
+    listed tool. `syntax`, the server's --tool-call-parser whether "auto" is served or not, gives the calls' ids
+    their style."""
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     if choice == "none":
         return None
@@ -141,13 +146,14 @@ def tool_calling(
                 param="tool_choice",
             )
         return ToolCalling(None, None, TOOL_CALL_PARSERS[auto_parser])
+    new_id = TOOL_CALL_PARSERS[syntax].new_id if syntax is not None else new_call_id
     by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     if isinstance(choice, dict):
         function = choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
         if name not in by_name:
             raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-        return ToolCalling(name, StructuredOutputsParams(json=by_name[name]))
+        return ToolCalling(name, StructuredOutputsParams(json=by_name[name]), new_id=new_id)
     one_call = [
         {
             "type": "object",
@@ -160,7 +166,7 @@ def tool_calling(
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": one_call}}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
-    return ToolCalling(None, StructuredOutputsParams(json=schema))
+    return ToolCalling(None, StructuredOutputsParams(json=schema), new_id=new_id)
 
 
 def template_message_tool_calls(tool_calls: list[Any]) -> list[dict[str, Any]]:

@@ -35,6 +35,11 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def mistral_call_id() -> str:
+    """Nine letters and digits: Mistral's chat templates refuse any other id in the calls sent back."""
+    return "".join(secrets.choice(ALPHANUMERIC) for _ in range(9))
+
+
 def call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
     """An OpenAI tool call; `arguments` is the JSON text of the arguments."""
     return {"id": call_id or new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
@@ -84,8 +89,7 @@ class ToolParser:
     def __init__(self):
         self.num_calls = 0
 
-    def new_id(self) -> str:
-        return new_call_id()
+    new_id = staticmethod(new_call_id)  # the ids of the calls it reads (and of a named or required call's)
 
     def read(self, text: str, final: bool) -> tuple[str, list[tuple[str, str]]]:
         """(content, calls as (name, arguments' JSON)) that the text so far settles, given the next piece."""
@@ -239,8 +243,7 @@ class MistralToolParser(TrailingToolParser):
     """Text, then `[TOOL_CALLS]` and the calls: a JSON array (or object) of `{"name", "arguments"}`, or
     `name[ARGS]{...}` pieces, each after its own `[TOOL_CALLS]` (v11)."""
 
-    def new_id(self) -> str:
-        return "".join(secrets.choice(ALPHANUMERIC) for _ in range(9))
+    new_id = staticmethod(mistral_call_id)
 
     def find_calls(self, text: str) -> tuple[int | None, int]:
         at = text.find(MISTRAL_CALLS)

@@ -267,6 +267,11 @@ def test_auto_tool_choice_reads_the_models_calls(auto_server):
     ).choices[0]
     assert re.fullmatch("a+b", text.message.content)
     assert text.message.tool_calls is None and text.finish_reason == "stop"
+    named = client.chat.completions.create(
+        model="sql", messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, max_tokens=30
+    ).choices[0]
+    pattern = "[A-Za-z0-9]{9}" if auto_server.parser == "mistral" else "call_[0-9a-f]{24}"  # the server's id style
+    assert all(re.fullmatch(pattern, c.id) for c in [call, pieces[0], *named.message.tool_calls])
 
 
 THINKING_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: <think>\n"

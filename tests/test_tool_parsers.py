@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from gateway.tool_calls import checked_tools, tool_calling
 from gateway.tool_parsers import TOOL_CALL_PARSERS
 
 PARIS = {"city": "Paris", "days": [1, 2], "metric": True, "note": None}
@@ -107,3 +108,18 @@ def test_a_reply_cut_short_keeps_its_finish_reason_and_mistral_ids_are_nine_alph
     assert all(re.fullmatch("[A-Za-z0-9]{9}", c["id"]) for c in calls) and len(calls) == 2
     _, calls, _, _ = feed("hermes", '<tool_call>{"name": "ping"}</tool_call>', 5)
     assert re.fullmatch("call_[0-9a-f]{24}", calls[0]["id"])
+
+
+def test_named_and_required_calls_take_the_servers_id_style():
+    """A mistral server's named and required calls get Mistral's nine-character ids too (its templates refuse any
+    other id in the calls sent back), streamed and not; other servers' get call_ ids."""
+    tools = checked_tools([{"type": "function", "function": {"name": "ping"}}])
+    named = {"type": "function", "function": {"name": "ping"}}
+    styles = (("mistral", "[A-Za-z0-9]{9}"), ("hermes", "call_[0-9a-f]{24}"), (None, "call_[0-9a-f]{24}"))
+    for syntax, pattern in styles:
+        for choice, text in ((named, "{}"), ("required", '[{"name": "ping", "parameters": {}}]')):
+            calling = tool_calling(tools, choice, True, None, syntax)
+            _, calls = calling.reply(text, True)
+            delta, _ = calling.stream().push(text, "stop")
+            ids = [c["id"] for c in calls] + [c["id"] for c in delta["tool_calls"]]
+            assert all(re.fullmatch(pattern, i) for i in ids), (syntax, choice, ids)
