@@ -5,9 +5,12 @@ tests/test_gateway_tools.py."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.chat_replies import ChatReplies
 from gateway.reasoning import REASONING_PARSERS
@@ -82,3 +85,20 @@ def test_include_reasoning_false_drops_it_and_no_parser_leaves_the_text_whole():
     assert stream.push(text, "stop") == ({"content": "public"}, "stop")
     plain = ChatReplies(None, None, "")
     assert plain.plain and plain.message(text, "length") == ({"role": "assistant", "content": text}, "length")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parser=st.sampled_from(sorted(REASONING_PARSERS)),
+    prompt=st.sampled_from(["assistant\n", "assistant\n<think>\n", "<think>\n\n</think>\n\n"]),
+    parts=st.lists(st.sampled_from(["<think>", "</think>", "<thi", "nk>", "</th", " ", "\n", "a", "b c", "<", ">"])),
+    cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=8),
+)
+def test_any_split_of_any_reply_splits_as_the_whole_reply(parser, prompt, parts, cuts):
+    text = "".join(parts)
+    points = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    pieces = [text[a:b] for a, b in itertools.pairwise(points)] or [""]
+    stream = REASONING_PARSERS[parser].stream(prompt)
+    out = [stream.push(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    reasoning, content = REASONING_PARSERS[parser].split(prompt, text)
+    assert ("".join(r for r, _ in out), "".join(c for _, c in out)) == (reasoning or "", content)

@@ -4,10 +4,13 @@ a call (or is cut short) is sent as written. Through the server: tests/test_gate
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.tool_calls import checked_tools, tool_calling
 from gateway.tool_parsers import TOOL_CALL_PARSERS
@@ -123,3 +126,33 @@ def test_named_and_required_calls_take_the_servers_id_style():
             delta, _ = calling.stream().push(text, "stop")
             ids = [c["id"] for c in calls] + [c["id"] for c in delta["tool_calls"]]
             assert all(re.fullmatch(pattern, i) for i in ids), (syntax, choice, ids)
+
+
+FRAGMENTS = [
+    "Sure. ", " ", "\n", "<tool_call>", "</tool_call>", "<tool", "_call>", "[TOOL_CALLS]", "[TOOL", "[ARGS]", "{", "}",
+    "[", "]", '"name": "ping"', '"arguments": {}', '"parameters": {"city": "Paris"}', ", ", "; ", "ping(", ")", "x=1",
+    "<|python_tag|>", "<|python_start|>", "<|python_end|>", '{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+    '[get_weather(city="Oslo")]', "text",
+]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parser=st.sampled_from(sorted(TOOL_CALL_PARSERS)),
+    parts=st.lists(st.sampled_from(FRAGMENTS), max_size=12),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=8),
+)
+def test_any_split_of_any_reply_reads_as_the_whole_reply(parser, parts, cuts):
+    """Pushed in pieces cut anywhere, any reply gives the content and calls it gives whole: the parsers' held text
+    and tags never depend on where the pieces fall."""
+    text = "".join(parts)
+    whole, calls, reason, _ = feed(parser, text, 10**6)
+    points = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    stream, content, streamed = TOOL_CALL_PARSERS[parser](), "", []
+    pieces = [text[a:b] for a, b in itertools.pairwise(points)] or [""]
+    for i, piece in enumerate(pieces):
+        delta, last = stream.push(piece, "stop" if i == len(pieces) - 1 else None)
+        content += (delta or {}).get("content", "")
+        streamed += (delta or {}).get("tool_calls", [])
+    assert content == whole and last == reason
+    assert [c["function"] for c in streamed] == [c["function"] for c in calls]
