@@ -21,6 +21,7 @@ from gateway.accounting import Accounting
 from gateway.adapter_roots import AdapterRoots
 from gateway.adapter_service import AdapterService
 from gateway.body_limit import BodyLimit
+from gateway.chat_replies import parser_warnings
 from gateway.chat_templates import ChatTemplates
 from gateway.errors import install_error_handlers
 from gateway.lifecycle import Drain, watch_engine
@@ -87,6 +88,8 @@ async def start(settings: ServeSettings, make_engine: EngineFactory = local_engi
         engine.tokenizer, settings.chat_template, limits.trust_request_chat_template, limits.chat_template_timeout
     )
     serving = OpenAIServing(engine, adapters, templates, gateway_metrics, limits)
+    for warning in parser_warnings(engine.tokenizer.get_vocab(), settings.tool_call_parser, settings.reasoning_parser):
+        logger.warning(warning)
     tokenization = Tokenization(engine.tokenizer, adapters, templates, engine.max_model_len)
     store = make_usage_store(settings.redis_url, key_prefix=settings.redis_key_prefix)
     limiter = make_rate_limiter(

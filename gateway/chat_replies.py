@@ -1,15 +1,36 @@
 """A chat choice's text as the assistant message's fields: owns putting the reasoning split (gateway/reasoning.py)
 and the tool calls (gateway/tool_calls.py) together, whole and streamed: the reasoning is split off first, and the
-calls are read from the content after it."""
+calls are read from the content after it. And the check, at startup, that the model's vocabulary has the tags the
+server's parsers read."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.reasoning import ReasoningStream, ReasoningSyntax
+from gateway.reasoning import END_THINK, THINK, ReasoningStream, ReasoningSyntax
 from gateway.tool_calls import ToolCalling, ToolCallStream
-from gateway.tool_parsers import ToolParser
+from gateway.tool_parsers import TOOL_CALL_PARSERS, ToolParser
+
+
+def parser_warnings(
+    vocabulary: Collection[str], tool_call_parser: str | None, reasoning_parser: str | None
+) -> list[str]:
+    """What the server's parsers expect of the model that its tokenizer's vocabulary lacks: a model trained on a
+    syntax has its tags as tokens, so a missing one most likely means the parser is not this model's (its replies
+    are then read only where it writes the tag as plain text)."""
+    expected = []
+    if tool_call_parser is not None:
+        expected += [(f"--tool-call-parser {tool_call_parser}", t) for t in TOOL_CALL_PARSERS[tool_call_parser].TAGS]
+    if reasoning_parser is not None:
+        expected += [(f"--reasoning-parser {reasoning_parser}", t) for t in (THINK, END_THINK)]
+    return [
+        f"{flag}: the tokenizer has no {tag!r} token, so this model is most likely not trained on that syntax; its "
+        f"replies are read as that syntax only where they write {tag!r} as text"
+        for flag, tag in expected
+        if tag not in vocabulary
+    ]
 
 
 def reasoning_fields(reasoning: str) -> dict[str, str]:

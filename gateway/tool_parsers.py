@@ -90,6 +90,7 @@ class ToolParser:
         self.num_calls = 0
 
     new_id = staticmethod(new_call_id)  # the ids of the calls it reads (and of a named or required call's)
+    TAGS: ClassVar[tuple[str, ...]] = ()  # the tokens a model trained on the syntax has (its vocabulary is checked)
 
     def read(self, text: str, final: bool) -> tuple[str, list[tuple[str, str]]]:
         """(content, calls as (name, arguments' JSON)) that the text so far settles, given the next piece."""
@@ -116,6 +117,7 @@ class HermesToolParser(ToolParser):
     JSON does not read as a call, is text."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    TAGS = (OPEN, CLOSE)
 
     def __init__(self):
         super().__init__()
@@ -244,6 +246,7 @@ class MistralToolParser(TrailingToolParser):
     `name[ARGS]{...}` pieces, each after its own `[TOOL_CALLS]` (v11)."""
 
     new_id = staticmethod(mistral_call_id)
+    TAGS = (MISTRAL_CALLS,)
 
     def find_calls(self, text: str) -> tuple[int | None, int]:
         at = text.find(MISTRAL_CALLS)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.chat_replies import ChatReplies
+from gateway.chat_replies import ChatReplies, parser_warnings
 from gateway.reasoning import REASONING_PARSERS
 from gateway.tool_calls import checked_tools, tool_calling
 
@@ -102,3 +103,18 @@ def test_any_split_of_any_reply_splits_as_the_whole_reply(parser, prompt, parts,
     out = [stream.push(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
     reasoning, content = REASONING_PARSERS[parser].split(prompt, text)
     assert ("".join(r for r, _ in out), "".join(c for _, c in out)) == (reasoning or "", content)
+
+
+def test_parsers_whose_tags_the_vocabulary_lacks_are_named_at_startup(tokenizer):
+    """The server warns, naming the flag and the tag, where the tokenizer has no token for a tag its parsers read
+    (a model not trained on that syntax); a vocabulary with the tags, or a syntax without tags of its own, is quiet."""
+    vocabulary = tokenizer.get_vocab()  # the tests' tokenizer: no model's tags
+    warnings = parser_warnings(vocabulary, "hermes", "deepseek_r1")
+    named = [re.search(r"has no '(.+?)' token", w).group(1) for w in warnings]
+    assert named == ["<tool_call>", "</tool_call>", "<think>", "</think>"]
+    assert warnings[0].startswith("--tool-call-parser hermes: the tokenizer has no '<tool_call>' token")
+    assert parser_warnings(vocabulary, "mistral", None) == [parser_warnings(vocabulary, "mistral", None)[0]]
+    assert "[TOOL_CALLS]" in parser_warnings(vocabulary, "mistral", None)[0]
+    assert parser_warnings(vocabulary, "pythonic", None) == parser_warnings(vocabulary, "llama3_json", None) == []
+    tagged = {**vocabulary, "<tool_call>": 1, "</tool_call>": 2, "<think>": 3, "</think>": 4}
+    assert parser_warnings(tagged, "hermes", "qwen3") == [] and parser_warnings(vocabulary, None, None) == []
