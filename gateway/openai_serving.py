@@ -44,7 +44,7 @@ from gateway.openai_format import (
 )
 from gateway.prompt_encoder import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from gateway.reasoning import REASONING_PARSERS
+from gateway.reasoning import REASONING_PARSERS, tags_are_special
 from gateway.request_limits import RequestLimits
 
 ADAPTER_LOAD_HEADER = "x-loraplex-adapter-load-ms"
@@ -132,6 +132,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.prompts = PromptEncoder(self.tokenizer, limits.max_prompt_tokens, engine.max_model_len)
         self.token_text = TokenText(self.tokenizer)
+        self.think_tags_special = tags_are_special(self.tokenizer)  # then a reasoning split keeps special tokens
 
     # ---- shared --------------------------------------------------------------------------------------
     async def _choose(self, body: SamplingFields, caller: Caller) -> ModelChoice:
@@ -356,9 +357,12 @@ class OpenAIServing:
         (ids,) = await self.prompts.encode([text], add_special_tokens=False, param="messages")
         request_id = new_id("chatcmpl")
         replies = self._replies(body, text)
-        if replies.reasoning is not None and params.structured_outputs is not None:  # the form after the reasoning
-            first = replies.reasoning.reasoning_first(text)
-            params.structured_outputs = dataclasses.replace(params.structured_outputs, reasoning_first=first)
+        if replies.reasoning is not None:
+            if params.structured_outputs is not None:  # the form after the reasoning
+                first = replies.reasoning.reasoning_first(text)
+                params.structured_outputs = dataclasses.replace(params.structured_outputs, reasoning_first=first)
+            if self.think_tags_special:
+                params.skip_special_tokens = False
         generation = await self._generation(
             "chat", request_id, [(text, ids)], params, choice, caller, body.structured_field
         )

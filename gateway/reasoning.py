@@ -47,6 +47,12 @@ class ReasoningSyntax:
 REASONING_PARSERS = {"deepseek_r1": ReasoningSyntax(True), "qwen3": ReasoningSyntax(False)}
 
 
+def tags_are_special(tokenizer) -> bool:
+    """Whether the tokenizer marks <think> or </think> special: the text then keeps special tokens where the
+    reasoning is split, as a detokenizer that skipped them would drop the tags."""
+    return bool({THINK, END_THINK} & set(tokenizer.all_special_tokens))
+
+
 class ReasoningStream:
     """Text pieces in, (reasoning, content) out. What may be the start of a tag is held back until the next piece
     tells."""

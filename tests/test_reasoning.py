@@ -5,6 +5,7 @@ tests/test_gateway_tools.py."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import re
@@ -14,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.chat_replies import ChatReplies, parser_warnings
-from gateway.reasoning import REASONING_PARSERS
+from gateway.reasoning import REASONING_PARSERS, tags_are_special
 from gateway.tool_calls import checked_tools, tool_calling
 
 # parser, the prompt's end, the reply, expected (reasoning, content)
@@ -118,3 +119,14 @@ def test_parsers_whose_tags_the_vocabulary_lacks_are_named_at_startup(tokenizer)
     assert parser_warnings(vocabulary, "pythonic", None) == parser_warnings(vocabulary, "llama3_json", None) == []
     tagged = {**vocabulary, "<tool_call>": 1, "</tool_call>": 2, "<think>": 3, "</think>": 4}
     assert parser_warnings(tagged, "hermes", "qwen3") == [] and parser_warnings(vocabulary, None, None) == []
+
+
+def test_think_tags_marked_special_keep_special_tokens_in_the_text(tokenizer):
+    """A tokenizer that marks <think> or </think> special has the reasoning split keep special tokens in the text
+    (skipped, the tags would be gone before the split reads them); the tests' tokenizer has neither."""
+    assert not tags_are_special(tokenizer)
+    special = copy.deepcopy(tokenizer)
+    special.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    assert tags_are_special(special)
+    ids = special.encode("<think>hm</think>ok", add_special_tokens=False)
+    assert special.decode(ids, skip_special_tokens=True) == "hmok"  # what a skipping detokenizer would leave
