@@ -17,20 +17,23 @@ from gateway.tool_parsers import TOOL_CALL_PARSERS, ToolParser
 def parser_warnings(
     vocabulary: Collection[str], tool_call_parser: str | None, reasoning_parser: str | None
 ) -> list[str]:
-    """What the server's parsers expect of the model that its tokenizer's vocabulary lacks: a model trained on a
-    syntax has its tags as tokens, so a missing one most likely means the parser is not this model's (its replies
-    are then read only where it writes the tag as plain text)."""
+    """What the server's parsers expect of the model that its tokenizer's vocabulary lacks, a line per flag: a model
+    trained on a syntax has its tags as tokens, so a missing one most likely means the parser is not this model's
+    (its replies are then read only where it writes the tags as plain text)."""
     expected = []
     if tool_call_parser is not None:
-        expected += [(f"--tool-call-parser {tool_call_parser}", t) for t in TOOL_CALL_PARSERS[tool_call_parser].TAGS]
+        expected.append((f"--tool-call-parser {tool_call_parser}", TOOL_CALL_PARSERS[tool_call_parser].TAGS))
     if reasoning_parser is not None:
-        expected += [(f"--reasoning-parser {reasoning_parser}", t) for t in (THINK, END_THINK)]
-    return [
-        f"{flag}: the tokenizer has no {tag!r} token, so this model is most likely not trained on that syntax; its "
-        f"replies are read as that syntax only where they write {tag!r} as text"
-        for flag, tag in expected
-        if tag not in vocabulary
-    ]
+        expected.append((f"--reasoning-parser {reasoning_parser}", (THINK, END_THINK)))
+    warnings = []
+    for flag, tags in expected:
+        missing = ", ".join(repr(t) for t in tags if t not in vocabulary)
+        if missing:
+            warnings.append(
+                f"{flag}: the tokenizer has no token for {missing}, so this model is most likely not trained on that "
+                "syntax; its replies are read as that syntax only where they write the tags as text"
+            )
+    return warnings
 
 
 def reasoning_fields(reasoning: str) -> dict[str, str]:

@@ -111,11 +111,15 @@ def test_parsers_whose_tags_the_vocabulary_lacks_are_named_at_startup(tokenizer)
     (a model not trained on that syntax); a vocabulary with the tags, or a syntax without tags of its own, is quiet."""
     vocabulary = tokenizer.get_vocab()  # the tests' tokenizer: no model's tags
     warnings = parser_warnings(vocabulary, "hermes", "deepseek_r1")
-    named = [re.search(r"has no '(.+?)' token", w).group(1) for w in warnings]
-    assert named == ["<tool_call>", "</tool_call>", "<think>", "</think>"]
-    assert warnings[0].startswith("--tool-call-parser hermes: the tokenizer has no '<tool_call>' token")
-    assert parser_warnings(vocabulary, "mistral", None) == [parser_warnings(vocabulary, "mistral", None)[0]]
-    assert "[TOOL_CALLS]" in parser_warnings(vocabulary, "mistral", None)[0]
+    assert [re.search(r"has no token for (.+?), so", w).group(1) for w in warnings] == [
+        "'<tool_call>', '</tool_call>'",
+        "'<think>', '</think>'",
+    ]
+    assert warnings[0].startswith("--tool-call-parser hermes: the tokenizer has no token for '<tool_call>'")
+    assert warnings[1].startswith("--reasoning-parser deepseek_r1: ")
+    (mistral,) = parser_warnings(vocabulary, "mistral", None)
+    assert "'[TOOL_CALLS]'" in mistral
+    assert parser_warnings({**vocabulary, "<think>": 3}, None, "qwen3")[0].count("think>") == 1  # only what lacks
     assert parser_warnings(vocabulary, "pythonic", None) == parser_warnings(vocabulary, "llama3_json", None) == []
     tagged = {**vocabulary, "<tool_call>": 1, "</tool_call>": 2, "<think>": 3, "</think>": 4}
     assert parser_warnings(tagged, "hermes", "qwen3") == [] and parser_warnings(vocabulary, None, None) == []
