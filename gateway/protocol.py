@@ -261,8 +261,9 @@ class ChatCompletionRequest(SamplingFields):
         """Settles how the reply calls a tool (`calling`; None: it is text), given the server's parser of the model's
         own call syntax for "auto" (None: "auto" is refused) and its --tool-call-parser (the calls' id style); a 400
         naming tools or tool_choice where they are wrong."""
-        calling = tool_calling(self.checked_tools, self.tool_choice, self.parallel_tool_calls, auto_parser, syntax)
-        self._calling = calling
+        self._calling = tool_calling(
+            self.checked_tools, self.tool_choice, self.parallel_tool_calls, auto_parser, syntax
+        )
 
     @property
     def calling(self) -> ToolCalling | None:

@@ -86,11 +86,11 @@ class ToolParser:
     (content and calls, each call with its index) and the finish reason to send ("tool_calls" for a reply that
     stopped having made calls). Subclasses `read` the syntax."""
 
-    def __init__(self):
-        self.num_calls = 0
-
     new_id = staticmethod(new_call_id)  # the ids of the calls it reads (and of a named or required call's)
     TAGS: ClassVar[tuple[str, ...]] = ()  # the tokens a model trained on the syntax has (its vocabulary is checked)
+
+    def __init__(self):
+        self.num_calls = 0
 
     def read(self, text: str, final: bool) -> tuple[str, list[tuple[str, str]]]:
         """(content, calls as (name, arguments' JSON)) that the text so far settles, given the next piece."""
