@@ -30,6 +30,7 @@ from gateway.metrics import ErrorCounter, GatewayMetrics
 from gateway.openai_serving import OpenAIServing
 from gateway.redis_persistence import warn_unless_persistent
 from gateway.request_limits import RequestLimits
+from gateway.responses_serving import ResponsesServing
 from gateway.routes import (
     admin_adapters,
     admin_replicas,
@@ -105,6 +106,7 @@ async def start(settings: ServeSettings, make_engine: EngineFactory = local_engi
         database=database,
         adapters=adapters,
         serving=serving,
+        responses=ResponsesServing(serving),
         tokenization=tokenization,
         auth_enabled=settings.auth_enabled,
         accounting=Accounting(database.tenants, store, limiter),

@@ -158,7 +158,7 @@ class RequestMetrics:
     metrics: GatewayMetrics
     tenant: str
     adapter: str
-    endpoint: str  # "completions" | "chat"
+    endpoint: str  # "completions" | "chat" | "responses"
 
     def observe(self, usage: Usage, outcome: str, latency: Latency) -> None:
         m, labels = self.metrics, (self.tenant, self.adapter)

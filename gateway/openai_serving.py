@@ -1,4 +1,5 @@
-"""OpenAIServing: `/v1/completions` and `/v1/chat/completions`, streaming (SSE) and not.
+"""OpenAIServing: `/v1/completions` and `/v1/chat/completions`, streaming (SSE) and not (and the chat turn that
+`/v1/responses` runs: gateway/responses_serving.py).
 
 Each call: choose the model (base or adapter, visible to the tenant) → tokenize (chat: render the template)
 → build one EngineRequest per prompt → run a `Generation` → format OpenAI's response or chunks. Errors that
@@ -100,6 +101,16 @@ class Primed:
 
 
 @dataclass(slots=True)
+class ChatRun:
+    """A chat turn ready to run: its id, model, started-to-be generation and how its choices read."""
+
+    request_id: str
+    choice: ModelChoice
+    generation: Generation
+    replies: ChatReplies
+
+
+@dataclass(slots=True)
 class Echo:
     """What a completion choice shows of its prompt (`OpenAIServing._prompt_part`)."""
 
@@ -116,6 +127,47 @@ def _text_only(delta: CompletionOutput) -> bool:
 def _is_empty(delta: CompletionOutput) -> bool:
     """A delta with nothing to send (text held back, say for a stop string): no chunk is streamed for it."""
     return not delta.text and delta.finish_reason is None and not delta.logprobs
+
+
+async def primed(generation: Generation) -> Primed:
+    """Starts the generation and waits for its first delta, so that an early failure is a plain 4xx."""
+    stream = generation.stream()
+    try:
+        first = await anext(stream)
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await stream.aclose()
+        raise
+    return Primed(first, stream)
+
+
+def _collect(choices: dict[int, _Choice], index: int, delta) -> None:
+    choice = choices.setdefault(index, _Choice(token_ids=[]))
+    choice.text += delta.text
+    choice.token_ids.extend(delta.token_ids)
+    if delta.logprobs is not None:
+        choice.logprobs = (choice.logprobs or []) + delta.logprobs
+    if delta.finish_reason is not None:
+        choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+async def collect(generation: Generation, n: int) -> dict[int, _Choice]:
+    """Runs the generation to its end: each choice's text, tokens, logprobs and finish, by index (prompt i's
+    sample j at i * n + j)."""
+    choices: dict[int, _Choice] = {}
+    async for i, out in generation.stream():
+        for delta in out.outputs:
+            _collect(choices, i * n + delta.index, delta)
+        if out.prompt_logprobs is not None:
+            for index in range(i * n, (i + 1) * n):
+                choices.setdefault(index, _Choice(token_ids=[])).prompt_logprobs = out.prompt_logprobs
+    return choices
+
+
+def stream_response(chunks: AsyncIterator[str], generation: Generation) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", **load_headers(generation)}  # known: the stream was primed
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
 
 
 class OpenAIServing:
@@ -174,39 +226,6 @@ class OpenAIServing:
         return generation
 
     @staticmethod
-    async def _primed(generation: Generation) -> Primed:
-        """Starts the generation and waits for its first delta, so that an early failure is a plain 4xx."""
-        stream = generation.stream()
-        try:
-            first = await anext(stream)
-        except StopAsyncIteration:
-            first = None
-        except BaseException:
-            await stream.aclose()
-            raise
-        return Primed(first, stream)
-
-    @staticmethod
-    def _collect(choices: dict[int, _Choice], index: int, delta) -> None:
-        choice = choices.setdefault(index, _Choice(token_ids=[]))
-        choice.text += delta.text
-        choice.token_ids.extend(delta.token_ids)
-        if delta.logprobs is not None:
-            choice.logprobs = (choice.logprobs or []) + delta.logprobs
-        if delta.finish_reason is not None:
-            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
-
-    async def _run(self, generation: Generation, n: int) -> dict[int, _Choice]:
-        choices: dict[int, _Choice] = {}
-        async for i, out in generation.stream():
-            for delta in out.outputs:
-                self._collect(choices, i * n + delta.index, delta)
-            if out.prompt_logprobs is not None:
-                for index in range(i * n, (i + 1) * n):
-                    choices.setdefault(index, _Choice(token_ids=[])).prompt_logprobs = out.prompt_logprobs
-        return choices
-
-    @staticmethod
     def _whole_response(
         head: dict, generation: Generation, choices: dict[int, _Choice], content: Callable[[int, _Choice], dict]
     ) -> JSONResponse:
@@ -220,11 +239,6 @@ class OpenAIServing:
         return JSONResponse(
             {**head, "choices": body, "usage": generation.usage.to_dict()}, headers=load_headers(generation)
         )
-
-    @staticmethod
-    def _stream_response(chunks: AsyncIterator[str], generation: Generation) -> StreamingResponse:
-        headers = {"Cache-Control": "no-cache", **load_headers(generation)}  # known: the stream was primed
-        return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
 
     async def _error_chunk(self, error: APIError) -> str:
         """A failure after the response started: its status goes in the body (and the error metrics)."""
@@ -256,10 +270,10 @@ class OpenAIServing:
         )
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": choice.model}
         if body.stream:
-            stream = await self._primed(generation)
+            stream = await primed(generation)
             chunks = self._completion_chunks(stream, generation, head, body, prompts)
-            return self._stream_response(chunks, generation)
-        choices = await until_disconnect(raw, self._run(generation, body.n))
+            return stream_response(chunks, generation)
+        choices = await until_disconnect(raw, collect(generation, body.n))
 
         def content(index: int, c: _Choice) -> dict:
             echo = self._prompt_part(body, prompts[index // body.n], c.prompt_logprobs)
@@ -347,7 +361,8 @@ class OpenAIServing:
         yield SSE_DONE
 
     # ---- chat ----------------------------------------------------------------------------------------
-    async def chat(self, body: ChatCompletionRequest, raw: Request, caller: Caller):
+    async def chat_run(self, body: ChatCompletionRequest, caller: Caller, endpoint: str, request_id: str) -> ChatRun:
+        """A chat turn's generation, validated, and how its choices read (chat completions and responses)."""
         self.limits.check_n(body.n)
         body.resolve_tool_calling(self.limits.tool_call_parser, self.limits.tool_call_syntax)
         params = body.sampling_params(body.requested_max_tokens, body.requested_logprobs, body.prompt_logprobs)
@@ -355,7 +370,6 @@ class OpenAIServing:
         text = await self.chat_templates.render_request(body.messages, choice.adapter_path, body)
         # the template wrote the special tokens
         (ids,) = await self.prompts.encode([text], add_special_tokens=False, param="messages")
-        request_id = new_id("chatcmpl")
         replies = self._replies(body, text)
         if replies.reasoning is not None:
             if params.structured_outputs is not None:  # the form after the reasoning
@@ -364,13 +378,18 @@ class OpenAIServing:
             if self.think_tags_special:
                 params.skip_special_tokens = False
         generation = await self._generation(
-            "chat", request_id, [(text, ids)], params, choice, caller, body.structured_field
+            endpoint, request_id, [(text, ids)], params, choice, caller, body.structured_field
         )
+        return ChatRun(request_id, choice, generation, replies)
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request, caller: Caller):
+        run = await self.chat_run(body, caller, "chat", new_id("chatcmpl"))
+        request_id, choice, generation, replies = run.request_id, run.choice, run.generation, run.replies
         if body.stream:
             head = {"id": request_id, "object": "chat.completion.chunk", "created": now(), "model": choice.model}
-            stream = await self._primed(generation)
-            return self._stream_response(self._chat_chunks(stream, generation, head, body, replies), generation)
-        choices = await until_disconnect(raw, self._run(generation, body.n))
+            stream = await primed(generation)
+            return stream_response(self._chat_chunks(stream, generation, head, body, replies), generation)
+        choices = await until_disconnect(raw, collect(generation, body.n))
         head = {"id": request_id, "object": "chat.completion", "created": now(), "model": choice.model}
         if body.prompt_logprobs is not None and choices:
             head["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs or [], self.token_text)

@@ -14,6 +14,7 @@ from gateway.accounting import Accounting
 from gateway.adapter_service import AdapterService
 from gateway.metrics import GatewayMetrics
 from gateway.openai_serving import OpenAIServing
+from gateway.responses_serving import ResponsesServing
 from gateway.settings import ServeSettings
 from gateway.tokenization import Tokenization
 from gateway.usage import UsageFlusher
@@ -30,6 +31,7 @@ class GatewayState:
     database: RegistryDatabase  # every table's repository
     adapters: AdapterService
     serving: OpenAIServing
+    responses: ResponsesServing  # /v1/responses, run as chat by `serving`
     tokenization: Tokenization  # /tokenize, /detokenize
     auth_enabled: bool
     accounting: Accounting

@@ -221,19 +221,16 @@ def auto_server(request, tiny):
         yield s
 
 
+# --reasoning-parser qwen3 beside --tool-call-parser hermes, per-request templates trusted
+REASONING_SETTINGS = dict(
+    enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3", trust_request_chat_template=True
+)
+
+
 @pytest.fixture(scope="module")
 def reasoning_server(tiny):
-    """--reasoning-parser qwen3 beside --tool-call-parser hermes, per-request templates trusted."""
     root, _, adapters = tiny
-    settings = settings_for(
-        root,
-        adapters,
-        enable_auto_tool_choice=True,
-        tool_call_parser="hermes",
-        reasoning_parser="qwen3",
-        trust_request_chat_template=True,
-    )
-    with ServerThread(settings) as running:
+    with ServerThread(settings_for(root, adapters, **REASONING_SETTINGS)) as running:
         yield running
 
 

@@ -1,4 +1,5 @@
-"""`/v1/completions`, `/v1/chat/completions`, `/v1/models` (and one by id): the OpenAI-compatible surface."""
+"""`/v1/completions`, `/v1/chat/completions`, `/v1/responses`, `/v1/models` (and one by id): the OpenAI-compatible
+surface."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from gateway.errors import APIError, model_not_found
 from gateway.generation import ClientDisconnected
 from gateway.openai_serving import Caller
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.responses_protocol import ResponsesRequest
 from gateway.state import GatewayState, StateDep
 from gateway.usage_report import usage_json
 from registry.adapters import split_adapter_id
@@ -46,6 +48,12 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep, tenant: TenantDep):
     return await admitted(request, state, tenant, lambda caller: state.serving.chat(body, request, caller))
+
+
+@router.post("/responses")
+async def responses(body: ResponsesRequest, request: Request, state: StateDep, tenant: TenantDep):
+    """OpenAI's Responses API, one chat turn in its layout (gateway/responses_protocol.py); nothing is stored."""
+    return await admitted(request, state, tenant, lambda caller: state.responses.create(body, request, caller))
 
 
 @router.get("/usage")
