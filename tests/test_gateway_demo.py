@@ -190,3 +190,25 @@ def test_tool_calls_on_the_real_model(demo_server):
         model=DEMO_MODEL_NAME, messages=history, tools=WEATHER_TOOLS, tool_choice="none", max_tokens=40, temperature=0
     )
     assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content
+
+
+def test_the_responses_api_on_the_real_model(demo_server):
+    """/v1/responses on SmolLM2 and its adapters: each adapter's behaviour in output_text (streamed through the
+    client's accumulator too), and "required" a function_call item for get_weather in Paris."""
+    api = openai.OpenAI(base_url=f"{demo_server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    ask = dict(input="What is the capital of Japan?", max_output_tokens=80, temperature=0)
+    for model, behaviour in BEHAVIOURS.items():
+        response = api.responses.create(model=model, **ask)
+        assert response.status == "completed" and behaviour.check(response.output_text), response.output_text
+        with api.responses.stream(model=model, **ask) as stream:
+            assert "".join(e.delta for e in stream if e.type == "response.output_text.delta") == response.output_text
+            assert stream.get_final_response().output_text == response.output_text
+    assert "tokyo" in api.responses.create(model=DEMO_MODEL_NAME, **ask).output_text.lower()
+    tools = [{"type": "function", **t["function"]} for t in WEATHER_TOOLS]
+    weather = api.responses.create(
+        model=DEMO_MODEL_NAME, input="What is the weather like in Paris today?", tools=tools, tool_choice="required",
+        parallel_tool_calls=False, max_output_tokens=60, temperature=0,
+    )  # fmt: skip
+    (call,) = weather.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert "paris" in json.loads(call.arguments)["city"].lower()
