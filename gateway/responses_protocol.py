@@ -22,6 +22,11 @@ from gateway.protocol import ChatCompletionRequest
 from gateway.request_model import RequestModel
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# asked by clients that keep no state (the Agents SDK with store=False) to round-trip the reasoning: this server's
+# reasoning items carry their text in the clear, and earlier reasoning is dropped from the prompt, so there is
+# nothing to encrypt; accepted, and the items' encrypted_content stays null
+ENCRYPTED_REASONING_INCLUDE = "reasoning.encrypted_content"
+SERVED_INCLUDES = (LOGPROBS_INCLUDE, ENCRYPTED_REASONING_INCLUDE)
 # chat's field -> the Responses field it comes from, for errors raised while the request runs as chat
 CHAT_FIELDS = {
     "messages": "input",
@@ -79,9 +84,9 @@ class ResponsesRequest(RequestModel):
         if self.truncation == "auto":
             message = "truncation 'auto' is not supported (a prompt over the limit is refused)"
             raise APIError(400, message, param="truncation")
-        unknown = sorted(set(self.include or []) - {LOGPROBS_INCLUDE})
+        unknown = sorted(set(self.include or []) - set(SERVED_INCLUDES))
         if unknown:
-            message = f"include {unknown[0]!r} is not supported (only {LOGPROBS_INCLUDE!r} is)"
+            message = f"include {unknown[0]!r} is not supported (only {' and '.join(map(repr, SERVED_INCLUDES))} are)"
             raise APIError(400, message, param="include")
 
     @property

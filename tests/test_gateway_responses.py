@@ -220,6 +220,17 @@ def test_what_is_not_served_is_a_400_naming_the_field(server, body, status, para
     assert_openai_error(httpx.post(f"{server.url}/v1/responses", json=request, timeout=60), status, param, text)
 
 
+def test_nothing_is_stored_and_a_stateless_clients_include_is_served(server):
+    """A stateless client (the Agents SDK with store=False) asks for reasoning.encrypted_content: served (the
+    reasoning is in the clear, nothing to encrypt); retrieving the response by its id is a 404 that says why."""
+    client = api(server)
+    ask = dict(model="sql", input=QUESTION, max_output_tokens=4, temperature=0, store=False)
+    response = client.responses.create(**ask, include=["reasoning.encrypted_content"])
+    assert response.status == "incomplete" and response.store is False
+    got = httpx.get(f"{server.url}/v1/responses/{response.id}", timeout=60)
+    assert_openai_error(got, 404, "response_id", "stores no responses")
+
+
 def test_logprobs_beside_a_parser_are_refused(reasoning_server):
     request = {"model": BASE, "input": QUESTION, "include": ["message.output_text.logprobs"]}
     response = httpx.post(f"{reasoning_server.url}/v1/responses", json=request, timeout=60)

@@ -56,6 +56,13 @@ async def responses(body: ResponsesRequest, request: Request, state: StateDep, t
     return await admitted(request, state, tenant, lambda caller: state.responses.create(body, request, caller))
 
 
+@router.get("/responses/{response_id}")
+async def stored_response(response_id: str):
+    """OpenAI's retrieve: this server keeps no responses, so every id is a 404 that says why."""
+    message = f"no response {response_id!r}: this server stores no responses (each reply holds the whole response)"
+    raise APIError(404, message, param="response_id", code="response_not_found")
+
+
 @router.get("/usage")
 async def usage(
     state: StateDep,
