@@ -15,8 +15,10 @@
 // another order than oneDNN's or MKL's, and the same on any thread count, in any tile and in a batch of any size.
 // Blocking: the threads split the panels (in pairs with AVX-512); per chunk of rows (kChunkM) and per panel, k runs
 // in chunks of 256 so the panels' chunk (16 KB each) stays in L1 while the rows (in L2) pass over it. The tiles read x
-// where it lies, one stream per row (until 2026-12-01 x was first repacked per tile as [k][rows], one stream; that
-// copy cost 3-18% of a 2048-row GEMM, the most where N is small).
+// where it lies with AVX-512, one stream per row (until 2026-12-01 x was first repacked per tile as [k][rows], one
+// stream; that copy cost 3-18% of a 2048-row GEMM on a Xeon, the most where N is small). With AVX2 x is repacked:
+// read in place, W1's 32 body GEMMs on an AMD Zen 3 (family 25 model 1, 2 threads, weights cold; 2026-12-06) took
+// 1.17-1.29x oneDNN's time at 256-2048 rows and 0.8-1.1x at 21-64, against 1.04-1.10x and 0.69-0.88x repacked.
 // Built for AVX-512 (the compiler's target has AVX-512F), the tile is 14 rows x 2 panels: 28 zmm accumulators, two
 // loads of the panels and 28 FMAs on 14 broadcasts per step of k (fewer loads per FMA than one panel's 12 x 16
 // tile of before, which left a second FMA port idle). The same FMA chain per output, so the same bits as the AVX2
@@ -127,17 +129,17 @@ inline void tile(const float* a, int64_t lda, const float* b, int64_t panel_stri
 
 #elif defined(LORAPLEX_LINEAR_AVX2)
 
-// c[0 .. R, 0 .. 16) (+)= a[r * lda + k] . b_panel[k][16] over kc steps of k; `first`: start from zero, else from
-// c; `bias` (or null) is added as the tile is stored. The chunk's `lead_every` row tiles share the prefetch of the
+// c[0 .. R, 0 .. 16) (+)= a[k * R + r] . b_panel[k][16] over kc steps of k (a: the tile's rows of x repacked
+// k-major, [kc][R], one stream); `first`: start from zero, else from c; `bias` (or null) is added as the tile is
+// stored. The chunk's `lead_every` row tiles share the prefetch of the
 // panel's stream kLeadK k-rows ahead (one panel at a time: the stream runs on into the next panel as it lies): this
 // one, the chunk's `tile_index`-th, prefetches the k-rows k with k % lead_every == tile_index, so that the stream is
 // asked for at an even pace while all of them pass over the chunk. Until 2026-12-02 the first tile prefetched all
 // of them: on an AMD Zen 2 (family 23 model 49), W1's 32 body GEMMs (weights cold, 2 threads) then took 8-10% longer
 // at 8-32 rows (21 rows: 8.7-9.3 ms against 7.9-8.4), the same at 1-4 and 64.
-template <int R, int P>
-inline void tile(const float* a, int64_t lda, const float* b, int64_t /*panel_stride*/, int64_t kc, float* c,
-                 int64_t ldc, bool first, const float* bias, int64_t tile_index, int64_t lead_every) {
-  static_assert(P == 1, "an AVX2 tile spans one panel");
+template <int R>
+inline void tile(const float* a, const float* b, int64_t kc, float* c, int64_t ldc, bool first, const float* bias,
+                 int64_t tile_index, int64_t lead_every) {
   __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;  // named: arrays of __m256 spill to the stack
 // OP(r, the row's two accumulators) for each of the tile's six rows (rows >= R compile to nothing).
 #define LORAPLEX_EACH_ROW(OP) \
@@ -161,7 +163,7 @@ inline void tile(const float* a, int64_t lda, const float* b, int64_t /*panel_st
     __m256 a_k;
 #define LORAPLEX_FMA(r, x0, x1)                      \
   if constexpr (R > r) {                             \
-    a_k = _mm256_broadcast_ss(a + r * lda + k);      \
+    a_k = _mm256_broadcast_ss(a + k * R + r);        \
     x0 = _mm256_fmadd_ps(a_k, b0, x0);               \
     x1 = _mm256_fmadd_ps(a_k, b1, x1);               \
   }
@@ -185,26 +187,44 @@ inline void tile(const float* a, int64_t lda, const float* b, int64_t /*panel_st
 
 #ifdef LORAPLEX_LINEAR_AVX2
 
+#ifdef LORAPLEX_LINEAR_AVX512
+
 // P adjacent panels' 16 P columns of rows [0, m) over k in [k0, k0 + kc) of K: row r of x at x + r * lda, the first
-// panel at k0 (the next one panel_stride floats on). With AVX-512 the first row tile leads the prefetch; with AVX2
-// the row tiles share it.
+// panel at k0 (the next one panel_stride floats on). The first row tile leads the prefetch.
 template <int P>
 void panel_rows(const float* x, int64_t lda, int64_t k0, int64_t kc, int64_t K, const float* panel,
                 int64_t panel_stride, float* c, int64_t ldc, int64_t m, bool first, const float* bias) {
-#ifdef LORAPLEX_LINEAR_AVX512
-  const int64_t lead = K - k0 - kLeadK;  // lead_wrap: the tiles' step of k from which the lead is past the panels' end
-#else
-  const int64_t lead = (m + kRows - 1) / kRows;  // lead_every: the row tiles that share the lead
-#endif
+  const int64_t lead_wrap = K - k0 - kLeadK;  // the tiles' step of k from which the lead is past the panels' end
   int64_t r = 0;
   for (; r + kRows <= m; r += kRows)
-    tile<kRows, P>(x + r * lda + k0, lda, panel, panel_stride, kc, c + r * ldc, ldc, first, bias, r / kRows, lead);
+    tile<kRows, P>(x + r * lda + k0, lda, panel, panel_stride, kc, c + r * ldc, ldc, first, bias, r / kRows,
+                   lead_wrap);
   const float* a = x + r * lda + k0;
   float* c_tail = c + r * ldc;
   loraplex::with_count<kRows - 1>(m - r, [&](auto rows) {
-    tile<rows(), P>(a, lda, panel, panel_stride, kc, c_tail, ldc, first, bias, r / kRows, lead);
+    tile<rows(), P>(a, lda, panel, panel_stride, kc, c_tail, ldc, first, bias, r / kRows, lead_wrap);
   });
 }
+
+#else
+
+// One panel's 16 columns of rows [0, m) over k in [k0, k0 + kc) of K: x_packed holds the rows' blocks ([K][kRows]
+// each, the last [K][m % kRows]), the panel is at k0. The row tiles share the lead prefetch.
+void panel_rows(const float* x_packed, int64_t k0, int64_t kc, int64_t K, const float* panel, float* c, int64_t ldc,
+                int64_t m, bool first, const float* bias) {
+  const int64_t lead_every = (m + kRows - 1) / kRows;
+  int64_t r = 0;
+  for (; r + kRows <= m; r += kRows)
+    tile<kRows>(x_packed + r * K + k0 * kRows, panel, kc, c + r * ldc, ldc, first, bias, r / kRows, lead_every);
+  const int64_t tail = m - r;
+  const float* a = x_packed + r * K + k0 * tail;
+  float* c_tail = c + r * ldc;
+  loraplex::with_count<kRows - 1>(tail, [&](auto rows) {
+    tile<rows()>(a, panel, kc, c_tail, ldc, first, bias, r / kRows, lead_every);
+  });
+}
+
+#endif
 
 #endif  // LORAPLEX_LINEAR_AVX2
 
@@ -242,6 +262,18 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
 #ifdef LORAPLEX_LINEAR_AVX2
   const float* a = x.data_ptr<float>();
   const int64_t lda = x.stride(0);
+#ifndef LORAPLEX_LINEAR_AVX512
+  at::Tensor x_packed = at::empty({M * K}, x.options());  // the blocks of kRows rows, each [K][rows]
+  float* ap = x_packed.data_ptr<float>();
+  at::parallel_for(0, (M + kRows - 1) / kRows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t m0 = block * kRows, rows = std::min<int64_t>(kRows, M - m0);
+      float* dst = ap + m0 * K;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < K; ++k) dst[k * rows + r] = a[(m0 + r) * lda + k];
+    }
+  });
+#endif
   const float* w = packed.data_ptr<float>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* c = y.data_ptr<float>();
@@ -258,11 +290,16 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
           const float* panel = w + p * panel_stride + k0 * kPanel;
           float* c_block = c + m0 * N + p * kPanel;
           const float* bias_block = last && b ? b + p * kPanel : nullptr;
+#ifdef LORAPLEX_LINEAR_AVX512
           if (whole)
             panel_rows<kTilePanels>(a + m0 * lda, lda, k0, kc, K, panel, panel_stride, c_block, N, m, k0 == 0,
                                     bias_block);
           else
             panel_rows<1>(a + m0 * lda, lda, k0, kc, K, panel, panel_stride, c_block, N, m, k0 == 0, bias_block);
+#else
+          (void)whole;  // one panel a tile
+          panel_rows(ap + m0 * K, k0, kc, K, panel, c_block, N, m, k0 == 0, bias_block);
+#endif
         }
       }
     }
