@@ -78,11 +78,6 @@ def call_item(call: dict[str, Any], status: str) -> dict[str, Any]:
     }
 
 
-def text_logprobs(chat_logprobs: dict | None) -> list[dict] | None:
-    """Chat's logprobs layout ({"content": [{token, logprob, bytes, top_logprobs}]}) as an output_text part's."""
-    return None if chat_logprobs is None else chat_logprobs["content"]
-
-
 def output_items(message: dict[str, Any], status: str, logprobs: list[dict] | None = None) -> list[dict[str, Any]]:
     """A chat reply's assistant message (gateway/chat_replies.py) as output items: its reasoning, its content, its
     calls, each that it has; a message (empty where it holds nothing else) always where it makes no call."""
